@@ -1,0 +1,38 @@
+"""Per-WorkerGroup signals: the aggregates the policies read (never per-GPU detail)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupSignals:
+    """Aggregates of one WorkerGroup over a sliding window ending at ``at``."""
+
+    group_id: str
+    at: float
+    window_s: float
+    workers: int
+    utilisation_mean: float = 0.0
+    utilisation_p50: float = 0.0
+    utilisation_p90: float = 0.0
+    utilisation_p99: float = 0.0
+    low_utilisation_fraction: float = 0.0  # workers under U_low for the whole window / workers
+    low_utilisation_workers: tuple[str, ...] = ()  # the ids of those workers, lowest first
+    queue_length: int = 0  # requests waiting, not yet on a worker
+    in_flight: int = 0  # requests running on the group's workers
+    max_in_flight_per_worker: int = 0  # engine concurrency (e.g. SGLang max_running_requests)
+    tokens_per_s: float = 0.0
+    progress: float = 0.0  # 0..1 of the group's work in the current iteration
+    busy: bool = True  # False when the group has nothing to do in this phase
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["low_utilisation_workers"] = list(self.low_utilisation_workers)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GroupSignals:
+        return cls(**{**data, "low_utilisation_workers": tuple(data["low_utilisation_workers"])})
