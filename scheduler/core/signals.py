@@ -36,3 +36,17 @@ class GroupSignals:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GroupSignals:
         return cls(**{**data, "low_utilisation_workers": tuple(data["low_utilisation_workers"])})
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """One telemetry sample of one worker, as an agent or the simulator reports it."""
+
+    group_id: str
+    worker_id: str
+    at: float
+    utilisation: float  # 0..1
+    queue_length: int = 0
+    in_flight: int = 0
+    tokens: int = 0  # tokens produced (or trained on) since the worker's previous sample
+    progress: float | None = None  # the group's progress as this worker sees it, 0..1
