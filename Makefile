@@ -1,0 +1,39 @@
+# dynarl — the two commands a new user needs:
+#   make run    install, then run the control plane with its embedded PostgreSQL and Redis
+#   make test   install, then lint and run the whole test suite against real PostgreSQL and Redis
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: run test lint pytest install clean-data
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(INSTALLED): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(INSTALLED)
+
+run: $(INSTALLED)
+	$(BIN)/python -m controlplane.stack
+
+# The test services default to this machine's PostgreSQL and Redis; override by env.
+test: export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/dynarl
+test: export REDIS_URL ?= redis://127.0.0.1:6379/9
+test: export SECRET_KEY ?= test-only-secret-key
+test: $(INSTALLED) lint pytest
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	SECRET_KEY=$${SECRET_KEY:-lint-only-secret-key} $(BIN)/mypy
+
+pytest: $(INSTALLED)
+	$(BIN)/pytest
+
+clean-data:
+	rm -rf .dynarl

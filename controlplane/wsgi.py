@@ -1,0 +1,9 @@
+"""WSGI entry point, for deployments that serve HTTP only (WebSockets need the ASGI app)."""
+
+import os
+
+from django.core.wsgi import get_wsgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+application = get_wsgi_application()

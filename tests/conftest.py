@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+
+from tests.services import celery_process, wait_until
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _services_reachable() -> None:
+    """Fail early and clearly when the test services are not there."""
+    try:
+        redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        pytest.exit(f"Redis at REDIS_URL={settings.REDIS_URL} is not reachable: {exc}", returncode=3)
+
+
+@pytest.fixture
+def service_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for child processes that must see the same database and broker as the test."""
+    env = dict(os.environ)
+    db = settings.DATABASES["default"]
+    env["DATABASE_URL"] = (
+        f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/"
+        f"{connection.settings_dict['NAME']}"
+    )
+    env["REDIS_URL"] = settings.REDIS_URL
+    env["DYNARL_DATA_DIR"] = str(tmp_path / "data")
+    return env
+
+
+@pytest.fixture
+def celery_worker(service_env: dict[str, str], tmp_path: Path) -> Iterator[None]:
+    from controlplane.celery import app
+
+    with celery_process("worker", service_env, tmp_path):
+        assert wait_until(lambda: bool(app.control.ping(timeout=0.5)), timeout_s=30), "worker did not start"
+        yield
+
+
+@pytest.fixture
+def celery_beat(service_env: dict[str, str], tmp_path: Path) -> Iterator[None]:
+    with celery_process("beat", service_env, tmp_path):
+        yield
