@@ -12,9 +12,9 @@ from django.db import connection
 from tests.services import celery_process, wait_until
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _services_reachable() -> None:
-    """Fail early and clearly when the test services are not there."""
+@pytest.fixture(scope="session")
+def redis_reachable() -> None:
+    """Fail early and clearly when the test broker is not there."""
     try:
         redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2).ping()
     except redis.RedisError as exc:
@@ -22,7 +22,7 @@ def _services_reachable() -> None:
 
 
 @pytest.fixture
-def service_env(tmp_path: Path) -> dict[str, str]:
+def service_env(tmp_path: Path, redis_reachable: None) -> dict[str, str]:
     """Environment for child processes that must see the same database and broker as the test."""
     env = dict(os.environ)
     db = settings.DATABASES["default"]

@@ -79,14 +79,25 @@ class Device:
     node: str
     hardware: str
     memory_gb: float = 80.0
+    index: int = 0  # position on its node (CUDA ordinal); with the node name, the global rank order
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "node": self.node, "hardware": self.hardware, "memory_gb": self.memory_gb}
+        return {
+            "id": self.id,
+            "node": self.node,
+            "hardware": self.hardware,
+            "memory_gb": self.memory_gb,
+            "index": self.index,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Device:
         return cls(
-            id=data["id"], node=data["node"], hardware=data["hardware"], memory_gb=float(data["memory_gb"])
+            id=data["id"],
+            node=data["node"],
+            hardware=data["hardware"],
+            memory_gb=float(data["memory_gb"]),
+            index=int(data.get("index", 0)),
         )
 
 

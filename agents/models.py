@@ -1,0 +1,134 @@
+"""GPU hosts, their accelerators, the agents' credentials and the commands queued for them."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.db import models
+from django.utils import timezone
+
+from controlplane.models import hash_token
+
+
+class NodeStatus(models.TextChoices):
+    READY = "ready"
+    LOST = "lost"  # missed its heartbeats; its in-flight migrations were rolled back
+    DRAINED = "drained"  # taken out of admission by an operator
+
+
+class Node(models.Model):
+    name = models.CharField(max_length=200, unique=True, help_text="host name the agent registered with")
+    status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.READY)
+    backend = models.CharField(max_length=16, default="sim", help_text="execution backend: sim or ray")
+    agent_version = models.CharField(max_length=32, blank=True, default="")
+    labels = models.JSONField(default=dict, blank=True)
+    registered_at = models.DateTimeField(default=timezone.now)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    status_reason = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class DeviceStatus(models.TextChoices):
+    FREE = "free"
+    ALLOCATED = "allocated"
+    LOST = "lost"
+
+
+class Device(models.Model):
+    """One accelerator. ``worker`` is its owner; it changes only when a migration commits."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="devices")
+    index = models.PositiveIntegerField(help_text="index on the host (CUDA ordinal)")
+    uid = models.CharField(max_length=255, unique=True, help_text="cluster-wide id, e.g. node-a/gpu3")
+    hardware = models.CharField(max_length=32, db_index=True, help_text="hardware type, e.g. H100")
+    memory_gb = models.FloatField(default=80.0)
+    status = models.CharField(max_length=16, choices=DeviceStatus.choices, default=DeviceStatus.FREE)
+    worker = models.ForeignKey(
+        "jobs.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="devices"
+    )
+    utilisation = models.FloatField(default=0.0, help_text="latest reported, 0..1")
+    memory_used_gb = models.FloatField(default=0.0)
+    reported_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["node__name", "index"]
+        constraints: ClassVar = [
+            models.UniqueConstraint(fields=["node", "index"], name="device_unique_index_per_node"),
+            # A device that belongs to a worker is allocated, and only then.
+            models.CheckConstraint(
+                condition=(models.Q(worker__isnull=True) | models.Q(status="allocated")),
+                name="device_owned_only_when_allocated",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.uid
+
+
+class BootstrapToken(models.Model):
+    """Shared secret an agent presents once to register; exchanged for a per-node token."""
+
+    name = models.CharField(max_length=100)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def matching(cls, raw: str) -> BootstrapToken | None:
+        token = cls.objects.filter(key_hash=hash_token(raw), revoked_at__isnull=True).first()
+        if token and token.expires_at and token.expires_at <= timezone.now():
+            return None
+        return token
+
+
+class NodeToken(models.Model):
+    """The credential of one node's agent; it can act for that node only."""
+
+    node = models.OneToOneField(Node, on_delete=models.CASCADE, related_name="token")
+    key_hash = models.CharField(max_length=64, unique=True)
+    issued_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"token of {self.node}"
+
+
+class CommandState(models.TextChoices):
+    QUEUED = "queued"
+    DELIVERED = "delivered"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class AgentCommand(models.Model):
+    """Work for one node's agent, delivered by long-poll. Idempotent by ``command_id``."""
+
+    command_id = models.CharField(max_length=128, unique=True)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
+    kind = models.CharField(max_length=32, help_text="launch_workers, stop_workers or migration_step")
+    payload = models.JSONField(default=dict)
+    step = models.ForeignKey(
+        "scheduler.MigrationStep", null=True, blank=True, on_delete=models.CASCADE, related_name="commands"
+    )
+    state = models.CharField(max_length=16, choices=CommandState.choices, default=CommandState.QUEUED)
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    deliveries = models.PositiveIntegerField(default=0)
+    result = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        indexes = [models.Index(fields=["node", "state", "created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.command_id} -> {self.node}"

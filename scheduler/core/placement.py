@@ -1,0 +1,136 @@
+"""Gang placement: put every worker of every group of a job onto free devices, or none at all.
+
+A worker needs ``gpus_per_worker`` devices on one node (tensor/pipeline parallel ranks talk over
+NVLink), of a hardware type its group accepts. Explicit placements name global ranks: devices
+numbered across the cluster in (node name, device index) order, as RLinf numbers them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.core.hypergraph import Device
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    name: str
+    workers: int
+    gpus_per_worker: int
+    hardware: tuple[str, ...] = ()  # accepted types, best first; empty = any
+    ranks: tuple[int, ...] | None = None  # explicit global ranks instead of a count
+
+    @property
+    def gpus(self) -> int:
+        return len(self.ranks) if self.ranks is not None else self.workers * self.gpus_per_worker
+
+    def accepts(self, hardware: str) -> bool:
+        return not self.hardware or hardware in self.hardware
+
+
+@dataclass(frozen=True)
+class PlacementFailure:
+    group: str
+    reason: str
+
+
+Placement = dict[str, list[tuple[Device, ...]]]  # group -> one device tuple per worker
+
+
+def global_rank_order(devices: Sequence[Device]) -> list[Device]:
+    return sorted(devices, key=lambda d: (d.node, d.index))
+
+
+def place(
+    groups: Sequence[GroupRequest], free: Sequence[Device], cluster: Sequence[Device]
+) -> Placement | PlacementFailure:
+    """Place all groups on ``free`` (a subset of ``cluster``) or report the first group that cannot fit.
+
+    Explicit ranks are resolved against the whole cluster's rank order, so a rank held by another
+    job makes the placement wait rather than shift. Groups sharing ranks are colocated and share
+    those devices.
+    """
+    free_ids = {d.id for d in free}
+    ordered_cluster = global_rank_order(cluster)
+    placement: Placement = {}
+    taken: set[str] = set()
+
+    for group in groups:
+        if group.ranks is None:
+            continue
+        workers: list[tuple[Device, ...]] = []
+        chosen: list[Device] = []
+        for rank in group.ranks:
+            if rank >= len(ordered_cluster):
+                return PlacementFailure(
+                    group.name, f"rank {rank} is beyond the cluster's {len(ordered_cluster)} GPUs"
+                )
+            device = ordered_cluster[rank]
+            if device.id not in free_ids:
+                return PlacementFailure(group.name, f"rank {rank} ({device.id}) is not free")
+            if not group.accepts(device.hardware):
+                return PlacementFailure(
+                    group.name, f"rank {rank} is {device.hardware}, not {'/'.join(group.hardware)}"
+                )
+            chosen.append(device)
+        for start in range(0, len(chosen), group.gpus_per_worker):
+            workers.append(tuple(chosen[start : start + group.gpus_per_worker]))
+        placement[group.name] = workers
+        taken.update(d.id for d in chosen)
+
+    by_node: dict[str, list[Device]] = defaultdict(list)
+    for device in global_rank_order(free):
+        if device.id not in taken:
+            by_node[device.node].append(device)
+
+    # Largest groups first: they are the hardest to fit.
+    counted = sorted((g for g in groups if g.ranks is None), key=lambda g: (-g.gpus_per_worker, -g.gpus))
+    for group in counted:
+        workers = []
+        for _ in range(group.workers):
+            worker = _take_worker(by_node, group)
+            if worker is None:
+                return PlacementFailure(
+                    group.name,
+                    f"needs {group.workers} worker(s) of {group.gpus_per_worker} GPU(s)"
+                    + (f" on {'/'.join(group.hardware)}" if group.hardware else "")
+                    + f"; only {len(workers)} fit on the free devices",
+                )
+            workers.append(worker)
+        placement[group.name] = workers
+    return placement
+
+
+def _take_worker(by_node: dict[str, list[Device]], group: GroupRequest) -> tuple[Device, ...] | None:
+    """Take ``gpus_per_worker`` devices from one node: best hardware first, then the node with the
+    fewest suitable free devices that still fit (best fit keeps big holes for big workers)."""
+    preference = {hw: i for i, hw in enumerate(group.hardware)}
+    best: tuple[tuple[int, int, str], list[Device]] | None = None
+    for node, devices in by_node.items():
+        suitable = [d for d in devices if group.accepts(d.hardware)]
+        if not suitable:
+            continue
+        by_hw: dict[str, list[Device]] = defaultdict(list)
+        for d in suitable:
+            by_hw[d.hardware].append(d)
+        for hardware, same in by_hw.items():
+            if len(same) < group.gpus_per_worker:
+                continue
+            key = (preference.get(hardware, len(preference)), len(same), node)
+            if best is None or key < best[0]:
+                best = (key, same[: group.gpus_per_worker])
+    if best is None:
+        return None
+    chosen = best[1]
+    node = chosen[0].node
+    chosen_ids = {d.id for d in chosen}
+    by_node[node] = [d for d in by_node[node] if d.id not in chosen_ids]
+    return tuple(chosen)
+
+
+def fits_in(groups: Sequence[GroupRequest], cluster: Sequence[Device]) -> PlacementFailure | None:
+    """Could the job ever be placed on this cluster if it were empty? None when it could."""
+    result = place(groups, cluster, cluster)
+    return result if isinstance(result, PlacementFailure) else None

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from scheduler.core.hypergraph import Device
+from scheduler.core.placement import GroupRequest, PlacementFailure, fits_in, place
+
+
+def cluster(nodes: dict[str, tuple[str, int]]) -> list[Device]:
+    return [
+        Device(id=f"{node}/gpu{i}", node=node, hardware=hw, index=i)
+        for node, (hw, count) in nodes.items()
+        for i in range(count)
+    ]
+
+
+def test_gang_places_every_group_with_workers_on_one_node() -> None:
+    devices = cluster({"a": ("H100", 8), "b": ("H100", 8)})
+    result = place(
+        [
+            GroupRequest("rollout", workers=6, gpus_per_worker=2),
+            GroupRequest("actor", workers=1, gpus_per_worker=4),
+        ],
+        devices,
+        devices,
+    )
+    assert not isinstance(result, PlacementFailure)
+    assert len(result["rollout"]) == 6 and len(result["actor"]) == 1
+    for workers in result.values():
+        for worker in workers:
+            assert len({d.node for d in worker}) == 1
+    used = [d.id for workers in result.values() for w in workers for d in w]
+    assert len(used) == len(set(used)) == 16
+
+
+def test_all_or_nothing_names_the_group_that_does_not_fit() -> None:
+    devices = cluster({"a": ("H100", 8)})
+    result = place(
+        [
+            GroupRequest("rollout", workers=4, gpus_per_worker=1),
+            GroupRequest("actor", workers=2, gpus_per_worker=4),
+        ],
+        devices,
+        devices,
+    )
+    assert isinstance(result, PlacementFailure)
+    assert result.group in {"rollout", "actor"}
+    assert "free devices" in result.reason
+
+
+def test_hardware_affinity_is_respected_and_preferred_type_first() -> None:
+    devices = cluster({"a": ("H20", 8), "b": ("H800", 8)})
+    result = place(
+        [
+            GroupRequest("actor", workers=2, gpus_per_worker=4, hardware=("H800",)),
+            GroupRequest("rollout", workers=4, gpus_per_worker=1, hardware=("H20", "H800")),
+        ],
+        devices,
+        devices,
+    )
+    assert not isinstance(result, PlacementFailure)
+    assert {d.hardware for w in result["actor"] for d in w} == {"H800"}
+    assert {d.hardware for w in result["rollout"] for d in w} == {"H20"}
+
+
+def test_worker_never_spans_nodes_even_when_enough_devices_in_total() -> None:
+    devices = cluster({"a": ("H100", 2), "b": ("H100", 2)})
+    assert isinstance(place([GroupRequest("actor", 1, 4)], devices, devices), PlacementFailure)
+
+
+def test_explicit_ranks_use_global_order_and_wait_when_taken() -> None:
+    devices = cluster({"b": ("H100", 4), "a": ("H100", 4)})
+    result = place([GroupRequest("actor", 0, 2, ranks=(4, 5, 6, 7))], devices, devices)
+    assert not isinstance(result, PlacementFailure)
+    assert [d.id for w in result["actor"] for d in w] == ["b/gpu0", "b/gpu1", "b/gpu2", "b/gpu3"]
+
+    busy = [d for d in devices if d.id != "b/gpu1"]
+    failure = place([GroupRequest("actor", 0, 2, ranks=(4, 5))], busy, devices)
+    assert isinstance(failure, PlacementFailure) and "not free" in failure.reason
+
+
+def test_fits_in_detects_jobs_that_can_never_fit() -> None:
+    devices = cluster({"a": ("H100", 8)})
+    assert fits_in([GroupRequest("actor", 2, 4)], devices) is None
+    failure = fits_in([GroupRequest("actor", 3, 4)], devices)
+    assert failure is not None and failure.group == "actor"
+    failure = fits_in([GroupRequest("actor", 1, 4, hardware=("H20",))], devices)
+    assert failure is not None
