@@ -6,5 +6,6 @@ from controlplane.views import healthz
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("admin/", admin.site.urls),
+    path("api/", include("controlplane.api.urls")),
     path("", include("frontend.urls")),
 ]

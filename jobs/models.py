@@ -183,6 +183,8 @@ class Worker(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
     utilisation = models.FloatField(default=0.0)
+    # Colocated groups (verl-style time-sharing) use devices another worker of the job owns.
+    colocated_devices = models.ManyToManyField("agents.Device", blank=True, related_name="colocated_workers")
 
     class Meta:
         ordering = ["group", "id"]

@@ -1,0 +1,75 @@
+"""Queueing work for node agents. Commands are rows; agents fetch them by long-poll."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.utils import timezone
+
+from agents.models import AgentCommand, CommandState, Device, Node
+from jobs.models import Worker
+
+
+def _worker_payload(worker: Worker, devices: Iterable[Device]) -> dict[str, Any]:
+    group = worker.group
+    return {
+        "worker": worker.name,
+        "job": group.job_id,
+        "group": group.name,
+        "kind": group.kind,
+        "devices": [{"uid": d.uid, "index": d.index, "hardware": d.hardware} for d in devices],
+        "tp": group.tp,
+        "pp": group.pp,
+    }
+
+
+def queue_launch(
+    workers_devices: Mapping[Worker, list[Device]], *, job_spec: Mapping[str, Any]
+) -> list[AgentCommand]:
+    """One ``launch_workers`` command per node, carrying the job's spec so the backend can run it."""
+    per_node: dict[Node, list[dict[str, Any]]] = defaultdict(list)
+    for worker, devices in workers_devices.items():
+        per_node[devices[0].node].append(_worker_payload(worker, devices))
+    commands = []
+    for node, workers in per_node.items():
+        first = workers[0]["worker"]
+        commands.append(
+            AgentCommand.objects.create(
+                command_id=f"launch:{first}:{len(workers)}",
+                node=node,
+                kind="launch_workers",
+                payload={"job": workers[0]["job"], "spec": dict(job_spec), "workers": workers},
+            )
+        )
+    return commands
+
+
+def queue_stop(workers: Iterable[Worker], *, reason: str) -> list[AgentCommand]:
+    per_node: dict[Node, list[str]] = defaultdict(list)
+    job_id = None
+    for worker in workers:
+        job_id = worker.group.job_id
+        nodes = {d.node for d in worker.devices.all()}
+        for node in nodes:
+            per_node[node].append(worker.name)
+    return [
+        AgentCommand.objects.create(
+            command_id=f"stop:{names[0]}:{len(names)}:{timezone.now().timestamp():.6f}",
+            node=node,
+            kind="stop_workers",
+            payload={"job": job_id, "workers": names, "reason": reason},
+        )
+        for node, names in per_node.items()
+    ]
+
+
+def cancel_undelivered(job_id: int) -> set[str]:
+    """Drop launch commands no agent has picked up yet; returns the names of their workers."""
+    pending = AgentCommand.objects.select_for_update().filter(
+        state=CommandState.QUEUED, kind="launch_workers", payload__job=job_id
+    )
+    names = {w["worker"] for command in pending for w in command.payload["workers"]}
+    pending.update(state=CommandState.CANCELLED, finished_at=timezone.now())
+    return names

@@ -1,0 +1,76 @@
+"""Gang admission: a job gets devices for all its groups at once, or waits.
+
+Pending jobs are taken by priority, then age. Admission is serialised cluster-wide with a
+PostgreSQL advisory lock so two workers never hand out the same device.
+"""
+
+from __future__ import annotations
+
+from django.db import connection, transaction
+
+from agents import commands
+from agents.models import Device, DeviceStatus
+from controlplane.audit import Actor
+from jobs import services
+from jobs.models import Job, JobReason, JobState, Worker, WorkerGroup
+from jobs.spec import JobSpec
+from scheduler.core.placement import PlacementFailure, fits_in, place
+
+ADMISSION_LOCK_KEY = 0x64796E61  # "dyna"
+
+
+def admit_pending(*, actor: Actor) -> list[Job]:
+    """Admit as many pending jobs as fit, highest priority first; returns the admitted ones."""
+    admitted: list[Job] = []
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ADMISSION_LOCK_KEY])
+        cluster = services.schedulable_devices()
+        cluster_core = services.core_devices(cluster)
+        for job in (
+            Job.objects.select_for_update()
+            .filter(state=JobState.PENDING)
+            .order_by("-priority", "submitted_at", "id")
+        ):
+            spec = JobSpec.from_json(job.spec)
+            requests = services.group_requests(spec)
+            free = [d for d in cluster if d.status == DeviceStatus.FREE and d.worker_id is None]
+            result = place(requests, services.core_devices(free), cluster_core)
+            if isinstance(result, PlacementFailure):
+                never = fits_in(requests, cluster_core)
+                if never is not None:
+                    services.transition(
+                        job,
+                        JobState.FAILED,
+                        JobReason.UNSCHEDULABLE,
+                        actor,
+                        f"{never.group}: {never.reason} (the cluster changed since submission)",
+                    )
+                    continue
+                detail = f"waiting for devices: {result.group}: {result.reason}"
+                if job.state_detail != detail:
+                    job.state_reason, job.state_detail = JobReason.WAITING_FOR_DEVICES, detail
+                    job.save(update_fields=["state_reason", "state_detail"])
+                # Strict priority order: a job that waits holds back the ones behind it, so a
+                # large job is never starved by a stream of small ones.
+                break
+            by_uid = {d.uid: d for d in cluster}
+            launches: dict[Worker, list[Device]] = {}
+            for group in WorkerGroup.objects.filter(job=job):
+                for i, worker_devices in enumerate(result[group.name]):
+                    worker = Worker.objects.create(group=group, name=f"j{job.pk}-{group.name}-w{i}")
+                    devices = [by_uid[d.id] for d in worker_devices]
+                    owned = [d for d in devices if d.worker_id is None]
+                    shared = [d for d in devices if d.worker_id is not None]
+                    Device.objects.filter(pk__in=[d.pk for d in owned]).update(
+                        worker=worker, status=DeviceStatus.ALLOCATED
+                    )
+                    for d in owned:
+                        d.status, d.worker_id = DeviceStatus.ALLOCATED, worker.pk
+                    if shared:
+                        worker.colocated_devices.add(*shared)
+                    launches[worker] = devices
+            services.transition(job, JobState.ADMITTED, JobReason.ADMITTED, actor, f"{spec.total_gpus} GPUs")
+            commands.queue_launch(launches, job_spec=job.spec)
+            admitted.append(job)
+    return admitted

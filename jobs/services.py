@@ -1,0 +1,246 @@
+"""Job lifecycle: submission, state transitions, cancellation, pausing the scheduler.
+
+Every state change goes through ``transition`` under the job's row lock, writing a JobTransition
+and an AuditEvent in the same transaction, so history can never disagree with the current state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from agents import commands
+from agents.models import Device, DeviceStatus, NodeStatus
+from controlplane import audit
+from controlplane.audit import Actor
+from jobs.models import (
+    ACTIVE_JOB_STATES,
+    LIVE_WORKER_STATES,
+    Job,
+    JobReason,
+    JobState,
+    JobTransition,
+    Worker,
+    WorkerGroup,
+    WorkerState,
+)
+from jobs.spec import JobSpec, parse_spec
+from scheduler.core.hypergraph import DEFAULT_INTERRUPTIBILITY, DEFAULT_SCALING
+from scheduler.core.hypergraph import Device as CoreDevice
+from scheduler.core.placement import GroupRequest, fits_in
+
+
+class SubmissionRefused(Exception):
+    """The spec is valid but the job can never run on this cluster."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before with a different spec."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    job: Job
+    created: bool
+
+
+def fingerprint(source: str | Mapping[str, Any]) -> str:
+    canonical = (
+        source if isinstance(source, str) else json.dumps(source, sort_keys=True, separators=(",", ":"))
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def group_requests(spec: JobSpec) -> list[GroupRequest]:
+    return [
+        GroupRequest(
+            name=c.name,
+            workers=c.workers if c.workers is not None else 0,
+            gpus_per_worker=c.tp * c.pp,
+            hardware=tuple(c.hardware),
+            ranks=tuple(c.placement) if c.placement is not None else None,
+        )
+        for c in spec.components
+    ]
+
+
+def core_devices(devices: list[Device]) -> list[CoreDevice]:
+    return [
+        CoreDevice(id=d.uid, node=d.node.name, hardware=d.hardware, memory_gb=d.memory_gb, index=d.index)
+        for d in devices
+    ]
+
+
+def schedulable_devices() -> list[Device]:
+    return list(
+        Device.objects.exclude(status=DeviceStatus.LOST)
+        .filter(node__status=NodeStatus.READY)
+        .select_related("node")
+    )
+
+
+def submit_job(
+    *, owner: Any, source: str | Mapping[str, Any], actor: Actor, idempotency_key: str = ""
+) -> Submission:
+    """Validate and record a job, then try to admit it. Raises jobs.spec.SpecError on a bad spec."""
+    print_ = fingerprint(source)
+    if idempotency_key:
+        existing = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            if existing.idempotency_fingerprint != print_:
+                raise IdempotencyConflict(idempotency_key)
+            return Submission(existing, created=False)
+
+    spec = parse_spec(source)
+    failure = fits_in(group_requests(spec), core_devices(schedulable_devices()))
+    if failure is not None:
+        raise SubmissionRefused(
+            f"components.{failure.group}", f"can never fit on this cluster: {failure.reason}"
+        )
+
+    try:
+        with transaction.atomic():
+            job = Job.objects.create(
+                owner=owner,
+                name=spec.name,
+                spec=spec.to_json(),
+                spec_source=source if isinstance(source, str) else json.dumps(source, indent=2),
+                spec_format=spec.source_format,
+                priority=spec.priority,
+                policy=spec.policy.name,
+                backend=spec.backend,
+                total_gpus=spec.total_gpus,
+                tick_seconds=spec.tick_seconds,
+                iterations_total=spec.workload.iterations,
+                idempotency_key=idempotency_key,
+                idempotency_fingerprint=print_,
+            )
+            for component in spec.components:
+                WorkerGroup.objects.create(
+                    job=job,
+                    name=component.name,
+                    kind=component.kind.value,
+                    scaling=DEFAULT_SCALING[component.kind].value,
+                    interruptibility=DEFAULT_INTERRUPTIBILITY[component.kind].value,
+                    tp=component.tp,
+                    pp=component.pp,
+                    valid_dp=list(component.valid_dp),
+                    min_workers=component.min_workers,
+                    max_workers=component.max_workers,
+                    hardware=list(component.hardware),
+                    depends_on=list(component.depends_on),
+                    initial_workers=component.gpus // (component.tp * component.pp),
+                )
+            JobTransition.objects.create(
+                job=job, to_state=JobState.PENDING, reason=JobReason.SUBMITTED, actor=actor.label
+            )
+            audit.record(actor, "job.submit", job, job=job, payload={"name": job.name, "policy": job.policy})
+    except IntegrityError:
+        # A concurrent request with the same key won the race; answer with its job.
+        existing = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+        if existing is None:
+            raise
+        if existing.idempotency_fingerprint != print_:
+            raise IdempotencyConflict(idempotency_key) from None
+        return Submission(existing, created=False)
+
+    from jobs.admission import admit_pending
+
+    admit_pending(actor=Actor.scheduler())
+    job.refresh_from_db()
+    return Submission(job, created=True)
+
+
+def transition(job: Job, target: JobState, reason: JobReason, actor: Actor, detail: str = "") -> None:
+    """Move a (row-locked) job to ``target``; raises IllegalTransition when not allowed."""
+    job.check_transition(target)
+    previous = job.state
+    now = timezone.now()
+    job.state = target
+    job.state_reason = reason
+    job.state_detail = detail
+    if target == JobState.ADMITTED:
+        job.admitted_at = now
+    elif target == JobState.RUNNING and job.started_at is None:
+        job.started_at = now
+    elif job.is_terminal:
+        job.finished_at = now
+    job.save(
+        update_fields=["state", "state_reason", "state_detail", "admitted_at", "started_at", "finished_at"]
+    )
+    JobTransition.objects.create(
+        job=job, from_state=previous, to_state=target, reason=reason, detail=detail, actor=actor.label, at=now
+    )
+    audit.record(
+        actor,
+        f"job.{target}",
+        job,
+        job=job,
+        reason=detail or reason,
+        payload={"from": previous, "to": target},
+    )
+
+
+def _locked(job_id: int) -> Job:
+    return Job.objects.select_for_update().get(pk=job_id)
+
+
+def release_workers(job: Job, *, reason: str) -> None:
+    """Stop a job's live workers. Devices whose workers never reached an agent are freed at once;
+    the others are freed when their agent reports the workers stopped."""
+    undelivered = commands.cancel_undelivered(job.pk)
+    live = list(Worker.objects.filter(group__job=job, state__in=LIVE_WORKER_STATES).select_related("group"))
+    to_stop = []
+    for worker in live:
+        if worker.name in undelivered:
+            worker.state = WorkerState.STOPPED
+            worker.stopped_at = timezone.now()
+            worker.save(update_fields=["state", "stopped_at"])
+            Device.objects.filter(worker=worker).update(worker=None, status=DeviceStatus.FREE)
+        else:
+            worker.check_transition(WorkerState.STOPPING)
+            worker.state = WorkerState.STOPPING
+            worker.save(update_fields=["state"])
+            to_stop.append(worker)
+    if to_stop:
+        commands.queue_stop(to_stop, reason=reason)
+
+
+def cancel_job(job_id: int, actor: Actor, detail: str = "") -> Job:
+    with transaction.atomic():
+        job = _locked(job_id)
+        transition(job, JobState.CANCELLED, JobReason.CANCELLED_BY_OPERATOR, actor, detail)
+        release_workers(job, reason="job cancelled")
+    from jobs.admission import admit_pending
+
+    admit_pending(actor=Actor.scheduler())
+    return job
+
+
+def pause_scheduling(job_id: int, actor: Actor, detail: str = "") -> Job:
+    with transaction.atomic():
+        job = _locked(job_id)
+        transition(job, JobState.PAUSED_SCHEDULING, JobReason.PAUSED_BY_OPERATOR, actor, detail)
+    return job
+
+
+def resume_scheduling(job_id: int, actor: Actor, detail: str = "") -> Job:
+    with transaction.atomic():
+        job = _locked(job_id)
+        transition(job, JobState.RUNNING, JobReason.RESUMED_BY_OPERATOR, actor, detail)
+    return job
+
+
+def active_jobs() -> Any:
+    return Job.objects.filter(state__in=ACTIVE_JOB_STATES)
