@@ -78,6 +78,7 @@ class Job(models.Model):
     last_tick_at = models.DateTimeField(null=True, blank=True)
     last_snapshot_at = models.DateTimeField(null=True, blank=True)
     last_snapshot_digest = models.CharField(max_length=64, blank=True, default="")
+    policy_state = models.JSONField(default=dict, blank=True, help_text="the policy's memory between ticks")
 
     class Meta:
         ordering = ["-submitted_at", "-id"]

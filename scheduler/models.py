@@ -93,6 +93,7 @@ class Migration(models.Model):
     device_uids = models.JSONField(default=list)
     state = models.CharField(max_length=16, choices=MigrationState.choices, default=MigrationState.PLANNED)
     plan = models.JSONField(help_text="scheduler.core.migration.MigrationPlan JSON")
+    execution = models.JSONField(default=dict, help_text="scheduler.core.migration.PlanExecution JSON")
     estimated_s = models.FloatField(default=0.0)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -132,9 +133,9 @@ class StepState(models.TextChoices):
 
 STEP_TRANSITIONS: dict[str, frozenset[str]] = {
     StepState.PLANNED: frozenset({StepState.RUNNING, StepState.SKIPPED}),
-    StepState.RUNNING: frozenset({StepState.DONE, StepState.FAILED}),
+    StepState.RUNNING: frozenset({StepState.DONE, StepState.FAILED, StepState.SKIPPED}),
     StepState.DONE: frozenset({StepState.ROLLED_BACK}),
-    StepState.FAILED: frozenset(),
+    StepState.FAILED: frozenset({StepState.RUNNING, StepState.ROLLED_BACK}),  # retried, or compensated
     StepState.ROLLED_BACK: frozenset(),
     StepState.SKIPPED: frozenset(),
 }
@@ -146,11 +147,10 @@ class MigrationStep(models.Model):
     index = models.PositiveIntegerField()
     kind = models.CharField(max_length=32)
     group = models.CharField(max_length=64)
-    node = models.ForeignKey(
-        "agents.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
+    nodes = models.JSONField(default=list, help_text="names of the nodes whose agents execute the step")
     device_uids = models.JSONField(default=list)
     worker_names = models.JSONField(default=list)
+    attempts = models.PositiveIntegerField(default=0)
     is_rollback = models.BooleanField(default=False)
     point_of_no_return = models.BooleanField(default=False)
     state = models.CharField(max_length=16, choices=StepState.choices, default=StepState.PLANNED)

@@ -146,9 +146,22 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 CELERY_WORKER_PING_TIMEOUT = env_float("CELERY_WORKER_PING_TIMEOUT", 1.0)
 CELERY_BEAT_SCHEDULE = {
     "record-beat": {"task": "controlplane.tasks.record_beat", "schedule": 5.0},
+    "schedule-ticks": {
+        "task": "scheduler.tasks.schedule_ticks",
+        "schedule": env_float("TICK_SCHEDULE_S", 1.0),
+        "options": {"expires": 5.0},
+    },
 }
 # /healthz reports beat as late when its last mark is older than this many seconds.
 BEAT_STALE_AFTER_S = env_float("BEAT_STALE_AFTER_S", 30.0)
+
+# --- The scheduling loop ------------------------------------------------------------------------
+SIGNAL_WINDOW_S = env_float("SIGNAL_WINDOW_S", 10.0)  # sliding window the policies read
+SNAPSHOT_EVERY_S = env_float("SNAPSHOT_EVERY_S", 30.0)  # a snapshot at least this often, and on change
+PREDICTOR_SETTLE_S = env_float("PREDICTOR_SETTLE_S", 20.0)  # wait before comparing prediction and outcome
+STEP_TIMEOUT_MIN_S = env_float("STEP_TIMEOUT_MIN_S", 60.0)  # a silent step fails after this long ...
+STEP_TIMEOUT_FACTOR = env_float("STEP_TIMEOUT_FACTOR", 10.0)  # ... or this many times its estimate
+TICK_SCHEDULE_S = env_float("TICK_SCHEDULE_S", 1.0)  # beat fans out ticks this often
 
 CHANNEL_LAYERS = {
     "default": {

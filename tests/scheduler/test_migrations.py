@@ -1,0 +1,222 @@
+"""Migrations end to end through the database: plan, dispatch, reports, commit, rollback."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.models import AgentCommand, CommandState, Device, Node, NodeStatus
+from controlplane.audit import Actor
+from controlplane.models import AuditEvent
+from jobs.models import Job, Worker, WorkerState
+from scheduler.models import HypergraphSnapshot, Migration, MigrationState, MigrationStep, StepState
+from scheduler.services import migrations
+from tests.factories import make_cluster, make_user, mark_running, spec, submit
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def running_job() -> Job:
+    make_cluster({"node-a": ("H100", 4), "node-b": ("H100", 4)})
+    owner = make_user("alice")
+    return mark_running(submit(owner, spec(rollout=6, actor=2)))
+
+
+def queued_step_commands() -> list[AgentCommand]:
+    return list(
+        AgentCommand.objects.filter(kind="migration_step", state=CommandState.QUEUED).select_related("node")
+    )
+
+
+def deliver_all(*, fail_kind: str | None = None, fail_times: int = 1) -> None:
+    """Play every agent: answer each queued step command until nothing is queued."""
+    failures = 0
+    for _ in range(200):
+        commands = queued_step_commands()
+        if not commands:
+            return
+        for command in commands:
+            command.state = CommandState.DELIVERED
+            command.save(update_fields=["state"])
+            step = command.payload["step"]
+            fail = step["kind"] == fail_kind and not command.payload["is_rollback"] and failures < fail_times
+            if fail:
+                failures += 1
+            migrations.report_step(
+                command.node,
+                step["step_id"],
+                ok=not fail,
+                error="injected failure" if fail else "",
+                attempt=command.payload["attempt"],
+            )
+    raise AssertionError("migration did not settle")
+
+
+def group_devices(job: Job, group: str) -> set[str]:
+    return set(
+        Device.objects.filter(
+            worker__group__job=job, worker__group__name=group, worker__state=WorkerState.RUNNING
+        ).values_list("uid", flat=True)
+    )
+
+
+def test_manual_migration_moves_devices_only_at_commit(running_job: Job) -> None:
+    operator = running_job.owner
+    before_rollout = group_devices(running_job, "rollout")
+    before_actor = group_devices(running_job, "actor")
+
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(operator)
+    )
+    assert migration.state == MigrationState.RUNNING
+    first = queued_step_commands()
+    assert [c.payload["step"]["kind"] for c in first] == ["pause_workers"] * len(first)
+    # Nothing changed owner yet.
+    assert group_devices(running_job, "rollout") == before_rollout
+
+    deliver_all()
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.COMMITTED
+    moved = set(migration.device_uids)
+    assert len(moved) == 2 and moved <= before_rollout
+    assert group_devices(running_job, "rollout") == before_rollout - moved
+    assert group_devices(running_job, "actor") == before_actor | moved
+    assert (
+        Worker.objects.filter(group__job=running_job, group__name="actor", state=WorkerState.RUNNING).count()
+        == 4
+    )
+    assert set(migration.steps.values_list("state", flat=True)) == {StepState.DONE}
+    assert HypergraphSnapshot.objects.filter(job=running_job, cause="migration").exists()
+    verbs = list(AuditEvent.objects.filter(job=running_job).values_list("verb", flat=True))
+    assert "migration.plan" in verbs and "migration.commit" in verbs and "job.migrate" in verbs
+
+
+def test_repeated_report_changes_nothing(running_job: Job) -> None:
+    migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
+    )
+    command = queued_step_commands()[0]
+    step_id = command.payload["step"]["step_id"]
+    migrations.report_step(command.node, step_id, ok=True, attempt=1)
+    snapshot = (
+        list(MigrationStep.objects.order_by("pk").values_list("step_id", "state", "attempts")),
+        AuditEvent.objects.count(),
+        AgentCommand.objects.count(),
+    )
+    migrations.report_step(command.node, step_id, ok=True, attempt=1)
+    migrations.report_step(command.node, step_id, ok=False, error="late failure", attempt=1)
+    assert (
+        list(MigrationStep.objects.order_by("pk").values_list("step_id", "state", "attempts")),
+        AuditEvent.objects.count(),
+        AgentCommand.objects.count(),
+    ) == snapshot
+
+
+def test_report_for_another_node_is_refused(running_job: Job) -> None:
+    migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
+    )
+    command = queued_step_commands()[0]
+    stranger = Node.objects.create(name="node-z")
+    with pytest.raises(migrations.StepNotForNode):
+        migrations.report_step(stranger, command.payload["step"]["step_id"], ok=True)
+    with pytest.raises(migrations.StepNotFound):
+        migrations.report_step(command.node, "no-such-step", ok=True)
+
+
+@pytest.mark.parametrize(
+    "failing", ["reserve_devices", "start_workers", "transfer_state", "rebuild_groups", "barrier"]
+)
+def test_trainer_failure_before_switch_keeps_the_old_trainer(running_job: Job, failing: str) -> None:
+    before_actor = group_devices(running_job, "actor")
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    deliver_all(fail_kind=failing)
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.ROLLED_BACK
+    assert "injected failure" in migration.error
+    # The trainer runs exactly on its old workers: never both, never neither.
+    assert group_devices(running_job, "actor") == before_actor
+    assert (
+        Worker.objects.filter(group__job=running_job, group__name="actor", state=WorkerState.RUNNING).count()
+        == 2
+    )
+    # The donor had passed its point of no return: its released devices are free, not lost.
+    moved = set(migration.device_uids)
+    assert not moved & group_devices(running_job, "rollout")
+    assert set(Device.objects.filter(uid__in=moved).values_list("status", flat=True)) == {"free"}
+    assert migration.steps.filter(is_rollback=True).exists()
+    assert AuditEvent.objects.filter(verb="migration.rollback", object_id=str(migration.pk)).exists()
+
+
+def test_failure_after_switch_rolls_forward(running_job: Job) -> None:
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    deliver_all(fail_kind="destroy_old", fail_times=1)
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.COMMITTED
+    destroy = migration.steps.get(kind="destroy_old", group="actor", is_rollback=False)
+    assert destroy.attempts == 2 and destroy.state == StepState.DONE
+
+
+def test_donor_failure_before_release_rolls_everything_back(running_job: Job) -> None:
+    before = (group_devices(running_job, "rollout"), group_devices(running_job, "actor"))
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    deliver_all(fail_kind="take_back_requests")
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.ROLLED_BACK
+    assert (group_devices(running_job, "rollout"), group_devices(running_job, "actor")) == before
+
+
+def test_lost_node_rolls_its_migration_back(running_job: Job) -> None:
+    before_actor = group_devices(running_job, "actor")
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    # Run the donor side, then lose a node while the trainer's new workers start.
+    for _ in range(50):
+        commands = queued_step_commands()
+        kinds = {c.payload["step"]["kind"] for c in commands}
+        if "start_workers" in kinds:
+            break
+        for c in commands:
+            migrations.report_step(
+                c.node, c.payload["step"]["step_id"], ok=True, attempt=c.payload["attempt"]
+            )
+    target = queued_step_commands()[0].node
+    Node.objects.filter(pk=target.pk).update(status=NodeStatus.LOST)
+    target.refresh_from_db()
+    migrations.roll_back_node(target, Actor.system("liveness"))
+    deliver_all()
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.ROLLED_BACK
+    assert group_devices(running_job, "actor") == before_actor
+
+
+def test_manual_migration_errors_name_the_field(running_job: Job) -> None:
+    actor = Actor.for_user(running_job.owner)
+    cases = [
+        ({"donor": "nope", "recipient": "actor", "workers": 1}, "donor"),
+        ({"donor": "rollout", "recipient": "nope", "workers": 1}, "recipient"),
+        ({"donor": "rollout", "recipient": "rollout", "workers": 1}, "recipient"),
+        ({"donor": "rollout", "recipient": "actor", "workers": 0}, "workers"),
+        ({"donor": "rollout", "recipient": "actor", "workers": 99}, "workers"),
+        ({"donor": "rollout", "recipient": "actor", "workers": 6}, "workers"),  # would leave no rollout
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(migrations.ManualMigrationError) as caught:
+            migrations.request_manual_migration(running_job.pk, actor=actor, **kwargs)
+        assert caught.value.field == field, kwargs
+    assert not Migration.objects.exists()
+    migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=1, actor=actor
+    )
+    with pytest.raises(migrations.ManualMigrationError) as caught:
+        migrations.request_manual_migration(
+            running_job.pk, donor="rollout", recipient="actor", workers=1, actor=actor
+        )
+    assert caught.value.field == "job"
