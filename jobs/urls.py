@@ -1,3 +1,12 @@
-from django.urls import URLPattern, URLResolver
+"""/api/v1/jobs/ and /api/v1/worker-groups/."""
 
-urlpatterns: list[URLPattern | URLResolver] = []
+from django.urls import URLPattern, URLResolver
+from rest_framework.routers import SimpleRouter
+
+from jobs import api
+
+router = SimpleRouter()
+router.register("jobs", api.JobViewSet, basename="job")
+router.register("worker-groups", api.WorkerGroupViewSet, basename="worker-group")
+
+urlpatterns: list[URLPattern | URLResolver] = list(router.urls)

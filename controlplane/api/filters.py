@@ -1,0 +1,111 @@
+"""Query filters shared by the API's lists, and the filters of the audit, node and device lists.
+
+Multi-valued filters accept both repeated parameters and commas: ``?state=running&state=pending``
+and ``?state=running,pending`` mean the same. Invalid values answer 400 naming the parameter.
+"""
+
+# mypy: disallow-subclassing-any=False
+# (django_filters ships no type information; its base classes are Any.)
+
+from __future__ import annotations
+
+from typing import Any
+
+import django_filters
+from django import forms
+from django.db.models import Q, QuerySet
+
+from agents.models import Device, DeviceStatus, Node, NodeStatus
+from controlplane.models import ActorType, AuditEvent
+
+
+class CommaMultipleChoiceField(forms.MultipleChoiceField):
+    def to_python(self, value: Any) -> list[str]:
+        values: list[str] = super().to_python(value)
+        return [part.strip() for item in values for part in item.split(",") if part.strip()]
+
+
+class MultiChoiceFilter(django_filters.MultipleChoiceFilter):
+    """One or more of the choices, OR-ed."""
+
+    field_class = CommaMultipleChoiceField
+
+
+class IdFilter(django_filters.NumberFilter):
+    """A row id: a whole number (``?job=1.5`` is a 400, not job 1)."""
+
+    field_class = forms.IntegerField
+
+
+class CharInFilter(django_filters.BaseInFilter, django_filters.CharFilter):
+    """Comma-separated values, OR-ed: ``?verb=job.submit,job.cancelled``."""
+
+
+def time_range(field_name: str, what: str) -> tuple[django_filters.IsoDateTimeFilter, ...]:
+    """``after`` (inclusive) and ``before`` (exclusive) bounds on ``field_name``, ISO 8601."""
+    return (
+        django_filters.IsoDateTimeFilter(
+            field_name=field_name, lookup_expr="gte", label=f"{what} at or after this time (ISO 8601)"
+        ),
+        django_filters.IsoDateTimeFilter(
+            field_name=field_name, lookup_expr="lt", label=f"{what} before this time (ISO 8601)"
+        ),
+    )
+
+
+class AuditEventFilter(django_filters.FilterSet):
+    actor_type = MultiChoiceFilter(choices=ActorType.choices)
+    actor = django_filters.CharFilter(label="username, agent:<node> or scheduler (exact)")
+    verb = CharInFilter(label="one or more verbs, e.g. job.submit,job.cancelled")
+    object_type = django_filters.CharFilter(label="e.g. jobs.job, scheduler.migration")
+    object_id = django_filters.CharFilter()
+    job = IdFilter(field_name="job", label="job id")
+    request_id = django_filters.CharFilter()
+    after, before = time_range("at", "events")
+    ordering = django_filters.OrderingFilter(fields=(("at", "at"), ("id", "id")))
+
+    class Meta:
+        model = AuditEvent
+        fields: list[str] = []
+
+
+class NodeFilter(django_filters.FilterSet):
+    status = MultiChoiceFilter(choices=NodeStatus.choices)
+    name = django_filters.CharFilter(lookup_expr="icontains", label="name contains")
+    hardware = django_filters.CharFilter(method="with_hardware", label="has devices of this hardware type")
+    ordering = django_filters.OrderingFilter(
+        fields=(
+            ("name", "name"),
+            ("last_heartbeat_at", "last_heartbeat_at"),
+            ("registered_at", "registered_at"),
+        )
+    )
+
+    class Meta:
+        model = Node
+        fields: list[str] = []
+
+    def with_hardware(self, queryset: QuerySet[Node], name: str, value: str) -> QuerySet[Node]:
+        return queryset.filter(devices__hardware=value).distinct()
+
+
+class DeviceFilter(django_filters.FilterSet):
+    node = django_filters.CharFilter(field_name="node__name", label="node name")
+    status = MultiChoiceFilter(choices=DeviceStatus.choices)
+    hardware = django_filters.CharFilter()
+    job = IdFilter(field_name="worker__group__job", label="owner job id")
+    group = django_filters.CharFilter(field_name="worker__group__name", label="owner group name")
+    idle = django_filters.BooleanFilter(method="only_idle", label="true: free devices on ready nodes")
+    ordering = django_filters.OrderingFilter(
+        fields=(("uid", "uid"), ("utilisation", "utilisation"), ("reported_at", "reported_at"))
+    )
+
+    class Meta:
+        model = Device
+        fields: list[str] = []
+
+    def only_idle(self, queryset: QuerySet[Device], name: str, value: bool | None) -> QuerySet[Device]:
+        idle = Q(status=DeviceStatus.FREE, worker__isnull=True, node__status=NodeStatus.READY)
+        if value is None:
+            return queryset
+        return queryset.filter(idle) if value else queryset.exclude(idle)

@@ -1,0 +1,67 @@
+"""OpenAPI pieces shared by every endpoint: the error shape as a component, and an AutoSchema that
+documents it for the error statuses every operation can answer."""
+
+# mypy: disallow-subclassing-any=False
+# (rest_framework and drf_spectacular ship no or partial type information; base classes are Any.)
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework import serializers
+
+
+class ErrorFieldSerializer(serializers.Serializer):
+    path = serializers.CharField(
+        help_text="where the problem is: a key path such as components[1].parallelism.tp, a body "
+        "field, a query parameter or a header; empty for the document as a whole"
+    )
+    message = serializers.CharField()
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    status = serializers.IntegerField(help_text="the HTTP status, repeated")
+    code = serializers.CharField(
+        help_text="machine-readable: invalid, invalid_spec, not_authenticated, authentication_failed, "
+        "permission_denied, not_found, method_not_allowed, unsupported_media_type, "
+        "idempotency_conflict, illegal_transition, unschedulable, server_error, ..."
+    )
+    message = serializers.CharField()
+    fields = ErrorFieldSerializer(many=True)
+    request_id = serializers.CharField(help_text="also in the X-Request-ID response header")
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every 4xx and 5xx answer of this API has this shape."""
+
+    error = ErrorDetailSerializer()
+
+
+def error_response(description: str) -> OpenApiResponse:
+    return OpenApiResponse(response=ErrorSerializer, description=description)
+
+
+COMMON_ERRORS: dict[str, str] = {
+    "400": "Invalid input; `fields` names each parameter or body field at fault.",
+    "401": "No credentials, or an invalid, expired or revoked token.",
+    "403": "Authenticated, but the role does not allow this.",
+}
+NOT_FOUND = "No such object."
+
+
+class ApiAutoSchema(AutoSchema):
+    """Adds the documented error responses (in the one error shape) to every operation."""
+
+    def _get_response_bodies(self, direction: Literal["request", "response"] = "response") -> dict[str, Any]:
+        responses: dict[str, Any] = super()._get_response_bodies(direction)
+        errors = dict(COMMON_ERRORS)
+        if "{" in self.path:
+            errors["404"] = NOT_FOUND
+        for code, description in errors.items():
+            if code not in responses:
+                responses[code] = self._get_response_for_code(  # type: ignore[no-untyped-call]
+                    error_response(description), code, media_types=["application/json"], direction=direction
+                )
+        return responses
