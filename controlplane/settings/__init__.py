@@ -12,16 +12,19 @@ Variables (all optional unless noted):
   STATIC_ROOT      where collectstatic writes (default: $DYNARL_DATA_DIR/static)
   CELERY_WORKER_PING_TIMEOUT  seconds /healthz waits for workers to answer (default 1.0)
   LOG_LEVEL        default INFO
+  METRICS_TOKEN    when set, /metrics requires "Authorization: Bearer <METRICS_TOKEN>"
+  ALERT_*          anomaly alert thresholds (see the Monitoring block below)
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.settings.env import env_bool, env_float, env_list, env_optional, env_str
+from controlplane.settings.env import env_bool, env_float, env_int, env_list, env_optional, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 DATA_DIR = Path(env_str("DYNARL_DATA_DIR", str(BASE_DIR / ".dynarl")))
@@ -48,6 +51,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "controlplane",
     "jobs",
@@ -116,9 +120,13 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
 }
-# Serve straight from the apps' static folders when nothing was collected (development, tests).
-WHITENOISE_USE_FINDERS = DEBUG
-if DEBUG:
+# Serve straight from the apps' static folders when nothing was collected (development, tests);
+# deployments run collectstatic and get hashed, compressed files.
+# Hashed names need the manifest that collectstatic writes, so they are used once it exists (or
+# while collectstatic itself runs, to write it).
+_manifest_ready = (STATIC_ROOT / "staticfiles.json").exists() or "collectstatic" in sys.argv
+WHITENOISE_USE_FINDERS = DEBUG or not _manifest_ready
+if WHITENOISE_USE_FINDERS:
     STORAGES["staticfiles"] = {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}
 
 LOGIN_URL = "/admin/login/"
@@ -151,7 +159,29 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("TICK_SCHEDULE_S", 1.0),
         "options": {"expires": 5.0},
     },
+    "detect-lost-nodes": {
+        "task": "agents.tasks.detect_lost_nodes",
+        "schedule": env_float("NODE_LIVENESS_CHECK_S", 5.0),
+        "options": {"expires": 10.0},
+    },
+    "prune-telemetry": {
+        "task": "agents.tasks.prune_telemetry",
+        "schedule": 600.0,
+        "options": {"expires": 300.0},
+    },
+    "detect-anomalies": {
+        "task": "scheduler.tasks_alerts.detect_anomalies",
+        "schedule": env_float("ALERT_CHECK_S", 5.0),
+        "options": {"expires": 30.0},
+    },
+    "publish-telemetry-rollups": {
+        "task": "scheduler.tasks_alerts.publish_telemetry_rollups",
+        "schedule": env_float("TELEMETRY_ROLLUP_S", 2.0),
+        "options": {"expires": 10.0},
+    },
 }
+# Task modules autodiscovery (which only finds <app>/tasks.py) would miss.
+CELERY_IMPORTS = ("scheduler.tasks_alerts",)
 # /healthz reports beat as late when its last mark is older than this many seconds.
 BEAT_STALE_AFTER_S = env_float("BEAT_STALE_AFTER_S", 30.0)
 
@@ -163,6 +193,34 @@ STEP_TIMEOUT_MIN_S = env_float("STEP_TIMEOUT_MIN_S", 60.0)  # a silent step fail
 STEP_TIMEOUT_FACTOR = env_float("STEP_TIMEOUT_FACTOR", 10.0)  # ... or this many times its estimate
 TICK_SCHEDULE_S = env_float("TICK_SCHEDULE_S", 1.0)  # beat fans out ticks this often
 
+# --- Node agents and telemetry ------------------------------------------------------------------
+NODE_LOST_AFTER_S = env_float("NODE_LOST_AFTER_S", 30.0)  # a node silent this long is marked lost
+NODE_LIVENESS_CHECK_S = env_float("NODE_LIVENESS_CHECK_S", 5.0)  # beat looks for lost nodes this often
+AGENT_HEARTBEAT_INTERVAL_S = env_float("AGENT_HEARTBEAT_INTERVAL_S", 1.0)  # told to agents at register
+AGENT_COMMAND_REDELIVER_S = env_float("AGENT_COMMAND_REDELIVER_S", 30.0)  # unanswered commands go out again
+AGENT_POLL_FALLBACK_S = env_float("AGENT_POLL_FALLBACK_S", 5.0)  # long-polls recheck the database this often
+AGENT_DB_THREADS = env_int("AGENT_DB_THREADS", 4)  # threads (and DB connections) serving agent requests
+TELEMETRY_BUCKET_S = env_float("TELEMETRY_BUCKET_S", 10.0)  # one TelemetrySample row per worker per bucket
+TELEMETRY_RETENTION_HOURS = env_float("TELEMETRY_RETENTION_HOURS", 72.0)  # older rows are deleted
+TELEMETRY_LIVE_WINDOW_S = env_float("TELEMETRY_LIVE_WINDOW_S", 120.0)  # raw samples kept in Redis per job
+TELEMETRY_LIVE_MAX_SAMPLES = env_int("TELEMETRY_LIVE_MAX_SAMPLES", 200_000)  # hard cap per job in Redis
+
+# --- Monitoring: /metrics and anomaly alerts ------------------------------------------------------
+METRICS_TOKEN = env_optional("METRICS_TOKEN")  # when set, /metrics wants "Authorization: Bearer <it>"
+ALERT_CHECK_S = env_float("ALERT_CHECK_S", 5.0)  # beat looks for anomalies this often
+ALERT_STUCK_WINDOW_S = env_float("ALERT_STUCK_WINDOW_S", 60.0)  # a worker idle this long while ...
+ALERT_STUCK_UTILISATION = env_float("ALERT_STUCK_UTILISATION", 0.02)  # ... at or under this ("~zero") ...
+ALERT_GROUP_BUSY_UTILISATION = env_float("ALERT_GROUP_BUSY_UTILISATION", 0.5)  # ... its group averages this
+ALERT_COLLAPSE_WINDOW_S = env_float("ALERT_COLLAPSE_WINDOW_S", 60.0)  # throughput judged over this window
+ALERT_COLLAPSE_HISTORY_S = env_float("ALERT_COLLAPSE_HISTORY_S", 600.0)  # recent median taken over this
+ALERT_COLLAPSE_FRACTION = env_float("ALERT_COLLAPSE_FRACTION", 0.2)  # raised under this share of the median
+ALERT_RECOVERED_FRACTION = env_float("ALERT_RECOVERED_FRACTION", 0.5)  # cleared at or over this share
+# A node silent this long raises an alert; it must stay under NODE_LOST_AFTER_S to come first.
+ALERT_HEARTBEAT_GAP_S = env_float("ALERT_HEARTBEAT_GAP_S", min(10.0, NODE_LOST_AFTER_S / 3))
+TELEMETRY_ROLLUP_S = env_float("TELEMETRY_ROLLUP_S", 2.0)  # live telemetry roll-ups go out this often
+if ALERT_HEARTBEAT_GAP_S >= NODE_LOST_AFTER_S:
+    raise ImproperlyConfigured("ALERT_HEARTBEAT_GAP_S must be shorter than NODE_LOST_AFTER_S")
+
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
@@ -172,16 +230,51 @@ CHANNEL_LAYERS = {
 
 # --- REST ---------------------------------------------------------------------------------------
 REST_FRAMEWORK = {
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.api.schema.ApiAutoSchema",
+    # Bearer first: its WWW-Authenticate header makes requests without credentials answer 401.
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.api.authentication.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PERMISSION_CLASSES": ["controlplane.api.permissions.ViewerReadOperatorWrite"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+    "DEFAULT_PAGINATION_CLASS": "controlplane.api.pagination.PagePagination",
+    "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
+    "DATETIME_FORMAT": "iso-8601",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "dynarl API",
-    "DESCRIPTION": "Submit, watch and steer RL post-training jobs; audit every GPU move.",
+    "DESCRIPTION": (
+        "Submit, watch and steer RL post-training jobs; audit every GPU move.\n\n"
+        "Authenticate with `Authorization: Bearer <token>` (create one at `POST /api/v1/tokens/`) or "
+        "a browser session. Roles: viewer (read), operator (submit and steer jobs), admin (also "
+        "everyone's tokens). Every 4xx/5xx answers one shape, an `error` object with `status`, "
+        "`code`, `message`, `fields` (each path at fault) and `request_id`. Every response carries "
+        "`X-Request-ID`, "
+        "which is also written on the audit events the request caused."
+    ),
     "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI from the installed sidecar package: clusters often have no internet access.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+    "ENUM_NAME_OVERRIDES": {
+        "JobStateEnum": "jobs.models.JobState",
+        "JobReasonEnum": "jobs.models.JobReason",
+        "WorkerStateEnum": "jobs.models.WorkerState",
+        "MigrationStateEnum": "scheduler.models.MigrationState",
+        "StepStateEnum": "scheduler.models.StepState",
+        "PredictorScopeEnum": "scheduler.models.PredictorScope",
+        "AlertKindEnum": "scheduler.models.AlertKind",
+        "NodeStatusEnum": "agents.models.NodeStatus",
+        "DeviceStatusEnum": "agents.models.DeviceStatus",
+        "ActorTypeEnum": "controlplane.models.ActorType",
+    },
 }
 
 LOGGING = {

@@ -1,0 +1,134 @@
+"""The scheduling-policy interface and the base every policy builds on."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol
+
+from scheduler.core.costs import MigrationCostModel
+from scheduler.core.decisions import Decision
+from scheduler.core.hypergraph import Device, Hypergraph, HyperNode
+from scheduler.core.policies.moves import Cooldowns, IterationClock, LoanBook, PendingMoves
+from scheduler.core.policies.params import ParamSpec, ParamValue, resolve_params
+from scheduler.core.predictor import ThroughputPredictor
+from scheduler.core.signals import GroupSignals
+
+
+class Placement(StrEnum):
+    """How the job's components share GPUs."""
+
+    COLOCATED = "colocated"  # every component time-shares all GPUs, stage by stage (verl)
+    DISAGGREGATED = "disaggregated"  # each group owns its GPUs; stages overlap
+
+
+class SchedulingPolicy(Protocol):
+    """A ``scheduler.core.decisions.Policy`` plus what the simulator and the backends need."""
+
+    name: str
+    placement: Placement
+
+    @property
+    def params(self) -> Mapping[str, ParamValue]:
+        """The resolved parameters, defaults filled in."""
+        ...
+
+    def decide(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        free_devices: Sequence[Device],
+        now: float,
+    ) -> list[Decision]: ...
+
+    def plan_initial_split(self, total_gpus: int, groups: Sequence[HyperNode]) -> dict[str, int] | None:
+        """group id -> GPUs at job start, or None to keep the job spec's placement."""
+        ...
+
+    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]: ...
+
+    def state_to_json(self) -> dict[str, Any]:
+        """What the policy remembers between ticks (loans, cooldowns, moves in flight)."""
+        ...
+
+    def load_state(self, data: Mapping[str, Any]) -> None: ...
+
+
+class BasePolicy:
+    """Params, predictor and cost model, plus the bookkeeping every dynamic policy needs.
+
+    One instance serves one job: it remembers loans, cooldowns and moves in flight between
+    ticks. A caller that rebuilds the policy every tick carries that memory with
+    ``state_to_json`` / ``load_state``.
+    """
+
+    name: str = ""
+    placement: Placement = Placement.DISAGGREGATED
+    PARAMS: ClassVar[tuple[ParamSpec, ...]] = ()
+    # A decision not visible in the hypergraph after this long is presumed failed.
+    PENDING_TIMEOUT_S: ClassVar[float] = 30.0
+
+    def __init__(
+        self,
+        *,
+        predictor: ThroughputPredictor,
+        cost_model: MigrationCostModel,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.predictor = predictor
+        self.cost_model = cost_model
+        self.params: dict[str, ParamValue] = resolve_params(self.name, self.PARAMS, params)
+        self.cooldowns = Cooldowns(float(self.params.get("cooldown_s", 0.0)))
+        self.loans = LoanBook()
+        self.pending = PendingMoves(self.PENDING_TIMEOUT_S)
+        self.clock = IterationClock()
+
+    def param_float(self, name: str) -> float:
+        return float(self.params[name])
+
+    def param_int(self, name: str) -> int:
+        return int(self.params[name])
+
+    def param_bool(self, name: str) -> bool:
+        return bool(self.params[name])
+
+    def decide(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        free_devices: Sequence[Device],
+        now: float,
+    ) -> list[Decision]:
+        return []
+
+    def plan_initial_split(self, total_gpus: int, groups: Sequence[HyperNode]) -> dict[str, int] | None:
+        return None
+
+    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+        return []
+
+    def _sync(self, graph: Hypergraph, now: float, free_devices: Sequence[Device] = ()) -> bool:
+        """Bring the memory up to date with the graph; True when a new iteration began."""
+        self.pending.refresh(graph, now, (d.id for d in free_devices))
+        self.loans.reconcile(graph, self.pending.device_ids())
+        return self.clock.observe(graph, now)
+
+    def _issued(self, decisions: Sequence[Decision], now: float) -> list[Decision]:
+        for decision in decisions:
+            self.pending.add(decision)
+            self.cooldowns.mark((decision.donor, decision.recipient), now)
+        return list(decisions)
+
+    def state_to_json(self) -> dict[str, Any]:
+        return {
+            "cooldowns": self.cooldowns.to_json(),
+            "loans": self.loans.to_json(),
+            "pending": self.pending.to_json(),
+            "clock": self.clock.to_json(),
+        }
+
+    def load_state(self, data: Mapping[str, Any]) -> None:
+        self.cooldowns.load(data.get("cooldowns", {}))
+        self.loans.load(data.get("loans", []))
+        self.pending.load(data.get("pending", []))
+        self.clock.load(data.get("clock", {}))
