@@ -1,4 +1,4 @@
-"""ASGI entry point: HTTP through Django, WebSockets through Channels."""
+"""ASGI entry point: HTTP through Django, WebSockets (``/ws/...``) through Channels."""
 
 import os
 
@@ -10,4 +10,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # Django must be set up before anything imports models, so this comes first.
 django_asgi_app = get_asgi_application()
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from controlplane.routing import websocket_application  # noqa: E402 - needs the app registry
+
+application = ProtocolTypeRouter({"http": django_asgi_app, "websocket": websocket_application()})

@@ -12,7 +12,7 @@ def schedule_ticks() -> int:
     """Beat fans out one tick task per due job; each runs wherever a worker is free."""
     due = tick.due_job_ids()
     for job_id in due:
-        run_tick.apply_async(args=[job_id], expires=5.0)
+        run_tick.apply_async(args=(job_id,), expires=5.0)
     return len(due)
 
 

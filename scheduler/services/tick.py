@@ -22,7 +22,7 @@ from agents.models import Device, DeviceStatus, NodeStatus
 from controlplane import audit, events
 from controlplane.audit import Actor
 from jobs.models import Job, JobReason, JobState
-from scheduler import telemetry
+import scheduler.telemetry as telemetry
 from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import ComponentKind, Hypergraph
 from scheduler.core.migration import PlanError

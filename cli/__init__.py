@@ -1,0 +1,1 @@
+"""``dynarl``: the command-line client of the dynarl REST API (see docs/cli.md)."""
