@@ -29,6 +29,7 @@ MIGRATION_STATES = ("planned", "running", "rolling_back", "committed", "rolled_b
 NODE_STATUSES = ("ready", "lost", "drained")
 EXPORTS = {"migrations": "/api/v1/migrations/export/", "audit": "/api/v1/audit-events/export/"}
 ADMIN_LOGIN_PATH = "/admin/login/"
+LOGIN_PATH = "/login/"
 
 
 class UsageError(Exception):
@@ -443,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     login.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     login.add_argument("--with-token", action="store_true", help="save a token read from stdin instead")
     login.add_argument(
-        "--login-path", default=ADMIN_LOGIN_PATH, help=f"the server's login form (default {ADMIN_LOGIN_PATH})"
+        "--login-path", default=LOGIN_PATH, help=f"the server's login form (default {LOGIN_PATH})"
     )
     login.add_argument(
         "--token-name", default=f"dynarl-cli@{socket.gethostname()}", help="name of the new token"

@@ -129,7 +129,9 @@ WHITENOISE_USE_FINDERS = DEBUG or not _manifest_ready
 if WHITENOISE_USE_FINDERS:
     STORAGES["staticfiles"] = {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}
 
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
 
 # --- Redis: Celery broker and Channels layer -------------------------------------------------
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")

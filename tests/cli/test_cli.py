@@ -245,7 +245,7 @@ def test_nodes_table(dynarl: Any, cluster: Node) -> None:
 def test_login_with_a_password_saves_a_token_that_later_commands_use(
     dynarl: Any, live_server: Any, cluster: Node, isolated_config: Path
 ) -> None:
-    user("sam", "operator", staff=True)
+    user("sam", "operator")  # not staff: the dashboard's login page admits every user
     refused = dynarl("login", "--username", "sam", "--password-stdin", token=None, stdin="wrong\n")
     assert refused.code == EXIT_API_ERROR
     assert "refused the username or password" in refused.err
