@@ -216,12 +216,28 @@ def advance(migration: Migration) -> None:
                     "attempt": row.attempts,
                     "is_rollback": row.is_rollback,
                     "step": step.to_json(),
+                    "handover": _handover_for(migration, step),
                 },
             )
         events.publish("migration.step", step_event(row), job_id=migration.job_id)
         break
     migration.execution = execution.to_json()
     migration.save(update_fields=["execution"])
+
+
+def _handover_for(migration: Migration, step: PlannedStep) -> dict[str, Any]:
+    """What an earlier step produced for this one: the requests taken back from paused donors go
+    to the remaining workers (redistribute) or back to the donors (return, on rollback)."""
+    if step.kind not in (StepKind.REDISTRIBUTE_REQUESTS, StepKind.RETURN_REQUESTS):
+        return {}
+    take_back = migration.steps.filter(kind=StepKind.TAKE_BACK_REQUESTS.value, is_rollback=False).first()
+    if take_back is None:
+        return {"requests": []}
+    outcomes = take_back.result.get("attempts", {}).get(str(take_back.attempts), {})
+    requests: list[Any] = []
+    for node in sorted(outcomes):
+        requests.extend(outcomes[node].get("result", {}).get("requests", []))
+    return {"requests": requests}
 
 
 def _step_row(migration: Migration, step: PlannedStep) -> MigrationStep:

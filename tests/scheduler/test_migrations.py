@@ -220,3 +220,24 @@ def test_manual_migration_errors_name_the_field(running_job: Job) -> None:
             running_job.pk, donor="rollout", recipient="actor", workers=1, actor=actor
         )
     assert caught.value.field == "job"
+
+
+def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Job) -> None:
+    migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    taken = [{"request_id": "r1", "generated": 120}, {"request_id": "r2", "generated": 7}]
+    for _ in range(10):
+        commands = queued_step_commands()
+        kinds = {c.payload["step"]["kind"] for c in commands}
+        if "redistribute_requests" in kinds:
+            break
+        for c in commands:
+            result = {"requests": taken} if c.payload["step"]["kind"] == "take_back_requests" else {}
+            migrations.report_step(c.node, c.payload["step"]["step_id"], ok=True, result=result, attempt=1)
+    redistribute = queued_step_commands()
+    assert redistribute and all(c.payload["step"]["kind"] == "redistribute_requests" for c in redistribute)
+    handed = redistribute[0].payload["handover"]["requests"]
+    take_back = MigrationStep.objects.get(kind="take_back_requests")
+    # Every node that took requests back contributed its list.
+    assert handed == taken * len(take_back.nodes)

@@ -1,0 +1,1 @@
+"""Execution backends of the node agent: ``sim`` (simulated GPU hosts) and ``ray`` (real workers)."""

@@ -1,0 +1,115 @@
+"""The interface every execution backend implements. The node agent daemon drives it; it never
+imports Django (it runs on GPU hosts with a slim install).
+
+Payload shapes are the agent protocol's (docs/agent-protocol.md):
+
+- a worker: ``{"worker": name, "job": id, "group": name, "kind": "rollout", "tp": 1, "pp": 1,
+  "devices": [{"uid": "host/gpu0", "index": 0, "hardware": "H100"}]}``
+- a migration step: the command payload ``{"migration", "job", "attempt", "is_rollback",
+  "step": PlannedStep JSON (step_id, kind, group_id, strategy, device_ids, worker_ids, ...),
+  "handover": {...}}`` where ``handover`` carries what an earlier step produced for this one
+  (e.g. the requests ``take_back_requests`` took from paused donors, for ``redistribute_requests``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class StepFailed(Exception):
+    """The backend could not carry a step out; the message goes into the report."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One accelerator as the agent registers it."""
+
+    index: int
+    hardware: str
+    memory_gb: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "hardware": self.hardware, "memory_gb": self.memory_gb}
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    index: int
+    utilisation: float  # 0..1
+    memory_used_gb: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "utilisation": self.utilisation, "memory_used_gb": self.memory_used_gb}
+
+
+@dataclass(frozen=True)
+class WorkerReading:
+    """One telemetry sample of one worker (the heartbeat's ``workers[]`` entries)."""
+
+    worker: str
+    at: float  # the agent's clock, epoch seconds
+    utilisation: float
+    queue_length: int = 0
+    in_flight: int = 0
+    tokens: int = 0  # produced (or trained on) since the previous sample
+    progress: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "worker": self.worker,
+            "at": self.at,
+            "utilisation": self.utilisation,
+            "queue_length": self.queue_length,
+            "in_flight": self.in_flight,
+            "tokens": self.tokens,
+        }
+        if self.progress is not None:
+            data["progress"] = self.progress
+        return data
+
+
+@dataclass
+class Telemetry:
+    devices: list[DeviceReading] = field(default_factory=list)
+    workers: list[WorkerReading] = field(default_factory=list)
+    # Per-job progress the backend reports (iteration counters); see docs/agent-protocol.md.
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ExecutionBackend(Protocol):
+    name: str
+
+    def inventory(self) -> Sequence[DeviceInfo]:
+        """The host's accelerators, registered with the control plane."""
+        ...
+
+    def launch_workers(self, job: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Start workers of a job (``job`` is the launch payload: id and spec). Idempotent by worker name."""
+        ...
+
+    def stop_workers(self, job_id: int, worker_names: Sequence[str]) -> dict[str, Any]:
+        """Stop workers; stopping one that is not running is not an error."""
+        ...
+
+    def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """Carry out this node's part of one migration step; raise StepFailed to report a failure.
+        Must be idempotent by ``payload["step"]["step_id"]`` and attempt."""
+        ...
+
+    def telemetry(self) -> Telemetry:
+        """What happened since the last call."""
+        ...
+
+    def observe_control(self, reply: Mapping[str, Any]) -> None:
+        """The control plane's heartbeat reply (job progress, membership); backends may ignore it."""
+        ...
+
+    def running_workers(self) -> Sequence[str]:
+        """Names of the workers this host runs now (for reconciliation after a restart)."""
+        ...
+
+    def close(self) -> None:
+        """Stop everything; called once when the agent exits."""
+        ...
