@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test lint pytest install clean-data
+.PHONY: run test lint pytest bench install clean-data
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: $(INSTALLED)
 
 pytest: $(INSTALLED)
 	$(BIN)/pytest
+
+# Every policy on the same traces; prints the table recorded in BENCHMARKS.md (about 8 minutes).
+bench: $(INSTALLED)
+	$(BIN)/python -m scheduler.bench
 
 clean-data:
 	rm -rf .dynarl
