@@ -18,11 +18,11 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+import scheduler.telemetry as telemetry
 from agents.models import Device, DeviceStatus, NodeStatus
 from controlplane import audit, events
 from controlplane.audit import Actor
 from jobs.models import Job, JobReason, JobState
-import scheduler.telemetry as telemetry
 from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import ComponentKind, Hypergraph
 from scheduler.core.migration import PlanError
