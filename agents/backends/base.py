@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class StepFailed(Exception):
@@ -112,4 +112,17 @@ class ExecutionBackend(Protocol):
 
     def close(self) -> None:
         """Stop everything; called once when the agent exits."""
+        ...
+
+
+@runtime_checkable
+class ReconcilingBackend(Protocol):
+    """Optional: a backend whose workers can outlive the agent process (e.g. Ray actors) says
+    itself how to match what the control plane expects after the agent registers again."""
+
+    def reconcile(self, workers: Sequence[Mapping[str, Any]], jobs: Mapping[str, Any]) -> dict[str, Any]:
+        """Run exactly ``workers`` (the registration reply's ``workers``: worker payloads with their
+        ``state``, starting or running) and stop any other; ``jobs`` maps job ids (strings) to
+        their specs. Returns ``{"stopped": [names], "relaunched": [names]}``. Without this method
+        the daemon stops the extra workers and launches again the running ones the backend lacks."""
         ...

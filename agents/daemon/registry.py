@@ -1,0 +1,74 @@
+"""Execution backends by name.
+
+A registry entry names a callable as ``"module:attribute"``; it is imported only when chosen, so a
+host without Ray never imports it. ``--backend`` also takes ``module:attribute`` directly, for a
+backend that lives outside this package. The callable gets the backend options as keyword
+arguments, and ``host=<node name>`` when it takes a ``host`` parameter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from agents.backends.base import ExecutionBackend
+
+BACKENDS: dict[str, str] = {
+    "sim": "agents.backends.sim:SimBackend",
+    "ray": "agents.backends.ray:RayBackend",
+}
+REQUIRED = (
+    "name",
+    "inventory",
+    "launch_workers",
+    "stop_workers",
+    "execute_step",
+    "telemetry",
+    "observe_control",
+    "running_workers",
+    "close",
+)
+
+
+class BackendError(RuntimeError):
+    """The backend could not be found or built."""
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise BackendError(f"{spec!r} is neither a known backend ({', '.join(BACKENDS)}) nor module:callable")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendError(f"cannot import backend module {module_name}: {exc}") from exc
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise BackendError(f"{module_name} has no callable {attribute}")
+    return cast(Callable[..., Any], factory)
+
+
+def _accepts(factory: Callable[..., Any], name: str) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def load_backend(name: str, *, host: str, options: Mapping[str, Any]) -> ExecutionBackend:
+    """Build the backend ``name`` (a registry name or ``module:callable``) with ``options``."""
+    factory = _resolve(BACKENDS.get(name, name))
+    kwargs = dict(options)
+    if "host" not in kwargs and _accepts(factory, "host"):
+        kwargs["host"] = host
+    try:
+        backend = factory(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BackendError(f"backend {name!r} refused its options {sorted(options)}: {exc}") from exc
+    missing = [attr for attr in REQUIRED if not hasattr(backend, attr)]
+    if missing:
+        raise BackendError(f"backend {name!r} lacks {', '.join(missing)} of the ExecutionBackend interface")
+    return cast(ExecutionBackend, backend)

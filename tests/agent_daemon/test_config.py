@@ -1,0 +1,99 @@
+"""Configuration: flags win over DYNARL_* variables, which win over defaults; every bad setting
+is named, flag and variable both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agents.daemon.config import ConfigError, parse_config
+
+BASE = {"DYNARL_URL": "http://cp.internal:8000/", "DYNARL_HOST": "gpu-7"}
+
+
+def test_environment_and_defaults() -> None:
+    config = parse_config(
+        [],
+        {
+            **BASE,
+            "DYNARL_BOOTSTRAP_TOKEN": "boot",
+            "DYNARL_BACKEND": "ray",
+            "DYNARL_BACKEND_OPTIONS": "gpus=8,hardware=H200,speed=2.5,faults=fail:switch@2",
+            "DYNARL_LABELS": "rack=r3,zone=a",
+            "DYNARL_STATE_DIR": "/var/lib/dynarl-agent",
+            "XDG_STATE_HOME": "/ignored",
+        },
+    )
+    assert config.url == "http://cp.internal:8000"  # no trailing slash: paths are appended
+    assert (config.host, config.backend, config.bootstrap_token) == ("gpu-7", "ray", "boot")
+    assert config.backend_options == {"gpus": 8, "hardware": "H200", "speed": 2.5, "faults": "fail:switch@2"}
+    assert config.labels == {"rack": "r3", "zone": "a"}
+    assert config.state_dir == Path("/var/lib/dynarl-agent")
+    assert (config.heartbeat_interval_s, config.poll_wait_s, config.shutdown_grace_s) == (1.0, 25.0, 30.0)
+    assert config.nvml and config.log_level == "INFO"
+
+
+def test_flags_win_over_the_environment(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    config = parse_config(
+        [
+            "--url",
+            "https://other:443",
+            "--host",
+            "gpu-8",
+            "--bootstrap-token-file",
+            str(token_file),
+            "--backend-option",
+            "gpus=2",
+            "--heartbeat-interval",
+            "0.5",
+            "--no-nvml",
+            "--log-level",
+            "debug",
+        ],
+        {
+            **BASE,
+            "DYNARL_BACKEND_OPTIONS": "gpus=8",
+            "DYNARL_HEARTBEAT_INTERVAL_S": "3",
+            "XDG_STATE_HOME": str(tmp_path),
+        },
+    )
+    assert (config.url, config.host, config.bootstrap_token) == ("https://other:443", "gpu-8", "from-file")
+    assert config.backend_options == {"gpus": 2}
+    assert config.heartbeat_interval_s == 0.5 and not config.nvml and config.log_level == "DEBUG"
+    assert config.state_dir == tmp_path / "dynarl-agent"
+
+
+def test_every_bad_setting_is_named() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(
+            ["--host", "-bad host", "--poll-wait", "-1", "--backend-option", "novalue"],
+            {"DYNARL_URL": "ftp://x", "DYNARL_SHUTDOWN_GRACE_S": "nan", "DYNARL_LOG_LEVEL": "loud"},
+        )
+    named = " | ".join(caught.value.problems)
+    for setting in (
+        "--url / DYNARL_URL",
+        "--host / DYNARL_HOST",
+        "--poll-wait / DYNARL_POLL_WAIT_S",
+        "--shutdown-grace / DYNARL_SHUTDOWN_GRACE_S",
+        "--backend-option / DYNARL_BACKEND_OPTIONS",
+        "--log-level / DYNARL_LOG_LEVEL",
+    ):
+        assert setting in named
+    assert len(caught.value.problems) == 6
+
+
+def test_backend_options_as_a_json_object() -> None:
+    config = parse_config(
+        [], {**BASE, "DYNARL_BACKEND_OPTIONS": '{"gpus": 8, "faults": "fail:switch,hang:barrier"}'}
+    )
+    assert config.backend_options == {"gpus": 8, "faults": "fail:switch,hang:barrier"}
+    with pytest.raises(ConfigError, match="DYNARL_BACKEND_OPTIONS: not a JSON object"):
+        parse_config([], {**BASE, "DYNARL_BACKEND_OPTIONS": "{gpus: 8}"})
+
+
+def test_a_missing_url_is_refused() -> None:
+    with pytest.raises(ConfigError, match="control plane's URL is required"):
+        parse_config([], {"DYNARL_HOST": "gpu-7"})

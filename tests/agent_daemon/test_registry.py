@@ -1,0 +1,45 @@
+"""Backends by name: options become keyword arguments, the host goes to those that take it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agents.daemon.registry import BACKENDS, BackendError, load_backend
+from tests.agent_daemon.recording import RecordingBackend
+
+
+def test_a_backend_is_built_from_module_and_callable(tmp_path: Path) -> None:
+    backend = load_backend(
+        "tests.agent_daemon.recording:RecordingBackend",
+        host="gpu-3",
+        options={"record": str(tmp_path / "calls.jsonl"), "gpus": 2},
+    )
+    assert isinstance(backend, RecordingBackend)
+    assert backend.host == "gpu-3" and [d.index for d in backend.inventory()] == [0, 1]
+
+
+def test_known_names_point_at_the_backend_modules() -> None:
+    assert BACKENDS["sim"].startswith("agents.backends.sim:") and BACKENDS["ray"].startswith(
+        "agents.backends.ray:"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("nonsense", {}, "neither a known backend"),
+        ("agents.backends.nowhere:Backend", {}, "cannot import backend module"),
+        ("agents.backends.base:Nothing", {}, "has no callable"),
+        (
+            "tests.agent_daemon.recording:RecordingBackend",
+            {"record": "x", "colour": "red"},
+            "refused its options",
+        ),
+        ("agents.backends.base:Telemetry", {}, "lacks"),
+    ],
+)
+def test_a_backend_that_cannot_be_built_is_named(name: str, options: dict[str, object], message: str) -> None:
+    with pytest.raises(BackendError, match=message):
+        load_backend(name, host="gpu-3", options=options)

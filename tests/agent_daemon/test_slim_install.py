@@ -1,0 +1,62 @@
+"""The daemon runs on GPU hosts with a slim install: it must never pull Django in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.services import REPO_ROOT
+
+DAEMON_MODULES = (
+    "agents.daemon",
+    "agents.daemon.__main__",
+    "agents.daemon.config",
+    "agents.daemon.client",
+    "agents.daemon.commands",
+    "agents.daemon.heartbeat",
+    "agents.daemon.loop",
+    "agents.daemon.nvml",
+    "agents.daemon.registry",
+    "agents.daemon.session",
+    "agents.daemon.state",
+    "tests.agent_daemon.recording",
+)
+
+
+def test_importing_the_daemon_does_not_import_django() -> None:
+    script = (
+        "import importlib, sys\n"
+        f"for name in {DAEMON_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m == 'django' or m.startswith(('django.', 'rest_framework', 'jobs', 'controlplane', 'scheduler.models', 'agents.models')))\n"
+        "print(loaded)\n"
+        "sys.exit(1 if loaded else 0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env={}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_help_and_bad_configuration() -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "agents.daemon", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and "--bootstrap-token" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "agents.daemon", "--heartbeat-interval", "soon"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": ""},
+    )
+    assert bad.returncode == 2
+    assert (
+        "--url / DYNARL_URL" in bad.stderr
+        and "--heartbeat-interval / DYNARL_HEARTBEAT_INTERVAL_S" in bad.stderr
+    )
