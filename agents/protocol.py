@@ -1,7 +1,9 @@
 """HTTP views of the agent protocol, version 1 (``/api/v1/agent/...``; see docs/agent-protocol.md).
 
 Plain async Django views speaking JSON, not DRF. The command fetch is a long-poll: a hundred
-waiting agents must cost sockets, not threads. The database work of every view runs on a small
+waiting agents must cost sockets, not threads. (While MIDDLEWARE holds sync-only middleware,
+RequestIdMiddleware and WhiteNoise today, Django still parks one idle thread per open request to
+run it; making those async-capable removes that.) The database work of every view runs on a small
 pool of long-lived threads (``AGENT_DB_THREADS``) that keep their connections: under ASGI a sync
 view gets a new thread per request, hence a new PostgreSQL connection per heartbeat, which alone
 would cost more than the ingest itself at a thousand GPUs. Views only authenticate, decode and
@@ -32,6 +34,7 @@ from agents.auth import AgentAuthError, authenticate_node, bootstrap_token
 from agents.models import AgentCommand, Device, Node
 from controlplane.audit import current_request_id
 from controlplane.transitions import IllegalTransition
+from scheduler import progress
 from scheduler.services.migrations import StepNotForNode, StepNotFound
 from scheduler.telemetry import FieldError, TelemetryError
 
@@ -231,12 +234,14 @@ async def register(request: HttpRequest) -> HttpResponse:
 
 
 def _heartbeat(request: HttpRequest, body: Any) -> dict[str, Any]:
-    outcome = services.heartbeat(authenticate_node(request), body)
+    node = authenticate_node(request)
+    outcome = services.heartbeat(node, body)
     return {
         **outcome.ingest.to_json(),
         "node_status": outcome.node_status,
         "recovered": outcome.recovered,
         "server_time": outcome.server_time,
+        "jobs": progress.reply_for(node),
     }
 
 

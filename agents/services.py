@@ -48,7 +48,7 @@ from controlplane.models import AuditEvent
 from controlplane.transitions import check_transition
 from jobs import services as job_services
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerGroup, WorkerState
-from scheduler import telemetry
+from scheduler import progress, telemetry
 from scheduler.telemetry import FieldError
 
 log = logging.getLogger(__name__)
@@ -527,6 +527,8 @@ def heartbeat(node: Node, payload: Any, *, now: float | None = None) -> Heartbea
     takes no explicit transaction."""
     now = time.time() if now is None else now
     beat = telemetry.parse_heartbeat(payload, now)  # a bad body is refused before anything is written
+    jobs_progress = payload.get("jobs", []) if isinstance(payload, Mapping) else []
+    progress.record(node, jobs_progress, now=now)
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {connection.ops.quote_name(Node._meta.db_table)} SET last_heartbeat_at = %s "

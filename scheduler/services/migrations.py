@@ -217,6 +217,8 @@ def advance(migration: Migration) -> None:
                     "is_rollback": row.is_rollback,
                     "step": step.to_json(),
                     "handover": _handover_for(migration, step),
+                    # A node new to the job learns what to run from the step itself.
+                    **({"spec": migration.job.spec} if step.kind is StepKind.START_WORKERS else {}),
                 },
             )
         events.publish("migration.step", step_event(row), job_id=migration.job_id)

@@ -1,0 +1,107 @@
+"""Fault injection for the ``sim`` backend: make a step of a given kind fail, hang or kill the agent.
+
+A fault is written ``<mode>:<kind>`` or ``<mode>:<kind>@<n>``:
+
+- ``fail:switch`` -- every ``switch`` step raises ``StepFailed`` (nothing of it is applied);
+- ``hang:transfer_state`` -- the step never returns until the backend is closed;
+- ``crash:barrier@2`` -- the second ``barrier`` step this agent executes kills the agent process
+  (``os._exit(70)``) half-way through the step's modelled time, after its first effects.
+
+``kind`` is a migration step kind (``scheduler.core.migration.StepKind``) or ``launch_workers`` /
+``stop_workers``. Faults come from the backend's constructor or, when it is given none, from the
+comma-separated environment variable ``DYNARL_SIM_FAULTS``. Occurrences are counted per kind, over
+the executions of this backend instance; a replayed step (same step id and attempt) is not a new
+occurrence.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from scheduler.core.migration import StepKind
+
+FAULTS_ENV = "DYNARL_SIM_FAULTS"
+CRASH_EXIT_CODE = 70
+COMMAND_KINDS = ("launch_workers", "stop_workers")
+FAULT_KINDS = frozenset({k.value for k in StepKind} | set(COMMAND_KINDS))
+
+
+class FaultMode(StrEnum):
+    FAIL = "fail"
+    HANG = "hang"
+    CRASH = "crash"
+
+
+class FaultSpecError(ValueError):
+    """A fault specification that cannot be understood; the message quotes it."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    mode: FaultMode
+    kind: str
+    occurrence: int | None = None  # None: every occurrence
+
+    def __str__(self) -> str:
+        suffix = f"@{self.occurrence}" if self.occurrence is not None else ""
+        return f"{self.mode.value}:{self.kind}{suffix}"
+
+
+def parse_fault(text: str) -> Fault:
+    raw = text.strip()
+    mode_text, sep, rest = raw.partition(":")
+    if not sep:
+        raise FaultSpecError(f"fault {raw!r}: expected <mode>:<kind>[@<n>]")
+    try:
+        mode = FaultMode(mode_text.strip())
+    except ValueError:
+        modes = ", ".join(m.value for m in FaultMode)
+        raise FaultSpecError(f"fault {raw!r}: mode must be one of {modes}") from None
+    kind, at, count = rest.strip().partition("@")
+    if kind not in FAULT_KINDS:
+        raise FaultSpecError(f"fault {raw!r}: unknown step kind {kind!r}")
+    occurrence: int | None = None
+    if at:
+        if not count.isdigit() or int(count) < 1:
+            raise FaultSpecError(f"fault {raw!r}: the occurrence after '@' must be an integer >= 1")
+        occurrence = int(count)
+    return Fault(mode=mode, kind=kind, occurrence=occurrence)
+
+
+def parse_faults(spec: str | Iterable[str] | None) -> tuple[Fault, ...]:
+    """``"fail:switch,crash:barrier@2"`` or a list of such items; empty items are ignored."""
+    if spec is None:
+        return ()
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    return tuple(parse_fault(item) for item in items if item.strip())
+
+
+def faults_from_env(environ: Mapping[str, str] | None = None) -> tuple[Fault, ...]:
+    env = os.environ if environ is None else environ
+    return parse_faults(env.get(FAULTS_ENV, ""))
+
+
+class FaultPlan:
+    """Decides, for each execution of a kind, which fault (if any) applies. Thread-safe."""
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.faults = tuple(faults)
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def next_for(self, kind: str) -> Fault | None:
+        """Count one more execution of ``kind`` and return the fault it triggers."""
+        with self._lock:
+            count = self._seen.get(kind, 0) + 1
+            self._seen[kind] = count
+        for fault in self.faults:
+            if fault.kind == kind and (fault.occurrence is None or fault.occurrence == count):
+                return fault
+        return None

@@ -1,0 +1,545 @@
+"""Job progress through the control plane: each agent's part of an iteration in, the job's whole
+picture out, and ``Job.iteration`` advanced when the trainer has trained the current one.
+
+A job's groups span several hosts, and agents never talk to each other. Each heartbeat carries,
+per job with workers on the node, what the node did in the job's current iteration ``k``
+(``jobs`` in the heartbeat body, see ``parse``); ``record`` keeps the node's latest report in Redis
+and moves the job to ``k + 1`` once every node hosting the job's live actor workers reports
+``trained_iteration >= k``. The heartbeat reply's ``jobs`` section (``reply_for``) gives each node
+the global picture it needs: the iteration, per group the live members and the samples completed
+over all nodes, and the **partition** of each iteration the rollout may work on: the rollout
+group's members, frozen when the iteration first opens, over which the agents split its episodes
+(episode ``i`` to member ``i mod W``). Agents report which members' shares they started
+(``claims``); the share of a member that left before its agent started it is handed to a current
+member (``adopt``). docs/sim-backend.md describes the protocol end to end.
+
+Redis holds, per job (keys expire ``PROGRESS_TTL_S`` after the last write; ``<job>`` is the id and
+the submission time, so a database reset that reuses ids never meets an old job's state):
+
+- ``dynarl:progress:<job>:nodes``: hash, node name -> its latest report (latest wins);
+- ``dynarl:progress:<job>:partition:<k>``: the frozen members of iteration ``k``, per rollout group;
+- ``dynarl:progress:<job>:claims:<k>:<group>``: set of members whose share an agent started.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+
+from agents.models import Device, Node
+from controlplane import audit
+from controlplane.audit import Actor
+from jobs.models import ACTIVE_JOB_STATES, LIVE_WORKER_STATES, Job, Worker, WorkerGroup
+from scheduler.models import OPEN_MIGRATION_STATES, Migration
+from scheduler.telemetry import FieldError, TelemetryError, redis_client
+
+KEY_PREFIX = "dynarl:progress"
+PROGRESS_TTL_S = 86_400
+MAX_JOBS = 1_000
+MAX_GROUPS = 64
+MAX_NAME = 128
+MAX_COUNT = 10**9
+MAX_CLAIMED_ITERATIONS = 64
+MAX_CLAIMS = 4_096
+ACTOR_KIND = "actor"
+ROLLOUT_KIND = "rollout"
+# Steps whose workers are leaving their group: new work is no longer partitioned onto them.
+LEAVING_STEP_KINDS = ("pause_workers", "drain")
+
+
+class ProgressError(TelemetryError):
+    """A malformed ``jobs`` section; ``errors`` names every field at fault (paths start with
+    ``jobs``). Nothing was recorded. A TelemetryError, so the agent protocol answers 400."""
+
+
+@dataclass(frozen=True)
+class GroupCount:
+    completed: int
+    assigned: int
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One node's part of one job's current iteration."""
+
+    job: int
+    iteration: int
+    groups: dict[str, GroupCount]
+    trained_iteration: int | None
+    claims: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+
+    def to_json(self, at: float | None = None) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "iteration": self.iteration,
+            "groups": {g: [c.completed, c.assigned] for g, c in self.groups.items()},
+            "trained_iteration": self.trained_iteration,
+        }
+        if at is not None:
+            data["at"] = at
+        return data
+
+
+# --- keys -----------------------------------------------------------------------------------------
+
+
+def job_scope(job_id: int, submitted_at: datetime) -> str:
+    return f"{job_id}@{int(submitted_at.timestamp() * 1_000_000)}"
+
+
+def scope_of(job: Job) -> str:
+    return job_scope(job.pk, job.submitted_at)
+
+
+def nodes_key(scope: str) -> str:
+    return f"{KEY_PREFIX}:{scope}:nodes"
+
+
+def partition_key(scope: str, iteration: int) -> str:
+    return f"{KEY_PREFIX}:{scope}:partition:{iteration}"
+
+
+def claims_key(scope: str, iteration: int, group: str) -> str:
+    return f"{KEY_PREFIX}:{scope}:claims:{iteration}:{group}"
+
+
+# --- parsing --------------------------------------------------------------------------------------
+
+
+def _count(value: Any, path: str, errors: list[FieldError], *, nullable: bool = False) -> int | None:
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        errors.append(FieldError(path, "must be an integer" + (" or null" if nullable else "")))
+        return None
+    if not 0 <= value <= MAX_COUNT:
+        errors.append(FieldError(path, f"must be between 0 and {MAX_COUNT}"))
+        return None
+    return int(value)
+
+
+def _name(value: Any, path: str, errors: list[FieldError]) -> str | None:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME:
+        errors.append(FieldError(path, f"must be a non-empty string of at most {MAX_NAME} characters"))
+        return None
+    return value
+
+
+def _groups(raw: Any, path: str, errors: list[FieldError]) -> dict[str, GroupCount]:
+    if not isinstance(raw, Mapping):
+        errors.append(FieldError(path, "must be an object mapping group names to counts"))
+        return {}
+    if len(raw) > MAX_GROUPS:
+        errors.append(FieldError(path, f"at most {MAX_GROUPS} groups"))
+        return {}
+    groups: dict[str, GroupCount] = {}
+    for name, counts in raw.items():
+        group_path = f"{path}.{name}"
+        if _name(name, group_path, errors) is None:
+            continue
+        if not isinstance(counts, Mapping):
+            errors.append(FieldError(group_path, "must be an object with completed and assigned"))
+            continue
+        completed = _count(counts.get("completed"), f"{group_path}.completed", errors)
+        assigned = _count(counts.get("assigned", 0), f"{group_path}.assigned", errors)
+        if completed is not None and assigned is not None:
+            groups[name] = GroupCount(completed=completed, assigned=assigned)
+    return groups
+
+
+def _claims(raw: Any, path: str, errors: list[FieldError]) -> dict[int, dict[str, tuple[str, ...]]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or len(raw) > MAX_CLAIMED_ITERATIONS:
+        errors.append(FieldError(path, f"must be an object of at most {MAX_CLAIMED_ITERATIONS} iterations"))
+        return {}
+    claims: dict[int, dict[str, tuple[str, ...]]] = {}
+    total = 0
+    for iteration, by_group in raw.items():
+        iteration_path = f"{path}.{iteration}"
+        if not isinstance(iteration, str) or not iteration.isdigit():
+            errors.append(FieldError(iteration_path, "iterations are keyed by their number"))
+            continue
+        if not isinstance(by_group, Mapping):
+            errors.append(FieldError(iteration_path, "must be an object mapping groups to worker names"))
+            continue
+        for group, names in by_group.items():
+            group_path = f"{iteration_path}.{group}"
+            if _name(group, group_path, errors) is None:
+                continue
+            if not isinstance(names, list):
+                errors.append(FieldError(group_path, "must be a list of worker names"))
+                continue
+            good = [n for i, n in enumerate(names) if _name(n, f"{group_path}[{i}]", errors) is not None]
+            total += len(good)
+            claims.setdefault(int(iteration), {})[group] = tuple(good)
+    if total > MAX_CLAIMS:
+        errors.append(FieldError(path, f"at most {MAX_CLAIMS} claimed workers"))
+    return claims
+
+
+def parse(jobs_section: Any) -> list[JobProgress]:
+    """Validate a heartbeat's ``jobs`` list; raises ProgressError naming every bad field."""
+    if not isinstance(jobs_section, list):
+        raise ProgressError([FieldError("jobs", "must be a list")])
+    if len(jobs_section) > MAX_JOBS:
+        raise ProgressError([FieldError("jobs", f"at most {MAX_JOBS} jobs")])
+    errors: list[FieldError] = []
+    parsed: list[JobProgress] = []
+    seen: set[int] = set()
+    for i, item in enumerate(jobs_section):
+        path = f"jobs[{i}]"
+        if not isinstance(item, Mapping):
+            errors.append(FieldError(path, "must be an object"))
+            continue
+        before = len(errors)
+        job = item.get("job")
+        if isinstance(job, bool) or not isinstance(job, int) or job < 1:
+            errors.append(FieldError(f"{path}.job", "must be a job id (an integer, at least 1)"))
+        elif job in seen:
+            errors.append(FieldError(f"{path}.job", f"job {job} is listed twice"))
+        iteration = _count(item.get("iteration"), f"{path}.iteration", errors)
+        trained = _count(item.get("trained_iteration"), f"{path}.trained_iteration", errors, nullable=True)
+        if trained is not None and iteration is not None and trained > iteration:
+            errors.append(
+                FieldError(f"{path}.trained_iteration", "cannot be ahead of the iteration the node works on")
+            )
+        groups = _groups(item.get("groups", {}), f"{path}.groups", errors)
+        claims = _claims(item.get("claims"), f"{path}.claims", errors)
+        if len(errors) > before or not isinstance(job, int) or iteration is None:
+            continue
+        seen.add(job)
+        parsed.append(
+            JobProgress(job=job, iteration=iteration, groups=groups, trained_iteration=trained, claims=claims)
+        )
+    if errors:
+        raise ProgressError(errors)
+    return parsed
+
+
+# --- recording ------------------------------------------------------------------------------------
+
+
+def record(node: Node, jobs_section: Any, *, now: float | None = None) -> None:
+    """Keep the node's latest report per job, then advance each job whose trainer is done with its
+    current iteration on every node. Validates everything before writing anything; reports for jobs
+    that do not exist are ignored."""
+    reports = parse(jobs_section)
+    if not reports:
+        return
+    jobs = {
+        pk: (job_scope(pk, submitted_at), iteration, total, state)
+        for pk, submitted_at, iteration, total, state in Job.objects.filter(
+            pk__in=[r.job for r in reports]
+        ).values_list("pk", "submitted_at", "iteration", "iterations_total", "state")
+    }
+    reports = [r for r in reports if r.job in jobs]
+    if not reports:
+        return
+    pipe = redis_client().pipeline(transaction=False)
+    for report in reports:
+        scope = jobs[report.job][0]
+        key = nodes_key(scope)
+        pipe.hset(key, node.name, json.dumps(report.to_json(now), separators=(",", ":")))
+        pipe.expire(key, PROGRESS_TTL_S)
+        for iteration, by_group in report.claims.items():
+            for group, names in by_group.items():
+                if names:
+                    claims = claims_key(scope, iteration, group)
+                    pipe.sadd(claims, *names)
+                    pipe.expire(claims, PROGRESS_TTL_S)
+    pipe.execute()
+    for report in reports:
+        _, iteration, total, state = jobs[report.job]
+        # Only a report that finishes the job's current iteration can move it: the row lock is
+        # taken then and only then (the tick skips a locked job for that beat).
+        due = report.trained_iteration is not None and report.trained_iteration >= iteration
+        if due and iteration < total and state in ACTIVE_JOB_STATES:
+            advance_iteration(report.job, Actor.for_agent(node.name))
+
+
+def _reports(job: Job) -> dict[str, dict[str, Any]]:
+    raw = redis_client().hgetall(nodes_key(scope_of(job)))
+    return {_text(k): json.loads(v) for k, v in raw.items()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def actor_nodes(job: Job) -> set[str]:
+    """Nodes hosting the job's live actor workers (owned or colocated devices)."""
+    owned = Q(worker__group__job=job, worker__group__kind=ACTOR_KIND, worker__state__in=LIVE_WORKER_STATES)
+    shared = Q(
+        colocated_workers__group__job=job,
+        colocated_workers__group__kind=ACTOR_KIND,
+        colocated_workers__state__in=LIVE_WORKER_STATES,
+    )
+    return set(Device.objects.filter(owned | shared).values_list("node__name", flat=True).distinct())
+
+
+def advance_iteration(job_id: int, actor: Actor) -> int | None:
+    """Move the job from ``k`` to ``k + 1`` when every node hosting its live actor workers has
+    trained ``k``; returns the new iteration, or None when nothing moved. Never moves backwards,
+    never past ``iterations_total``."""
+    unlocked = Job.objects.filter(pk=job_id, state__in=ACTIVE_JOB_STATES).first()
+    if unlocked is None or _trained_everywhere(unlocked) is None:
+        return None
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id, state__in=ACTIVE_JOB_STATES).first()
+        if job is None:
+            return None
+        nodes = _trained_everywhere(job)
+        if nodes is None:
+            return None
+        previous = job.iteration
+        job.iteration = previous + 1
+        job.save(update_fields=["iteration"])
+        audit.record(
+            actor,
+            "job.iteration",
+            job,
+            job=job,
+            reason=f"iteration {previous} trained on every actor node",
+            payload={"from": previous, "to": job.iteration, "nodes": sorted(nodes)},
+        )
+        return job.iteration
+
+
+def _trained_everywhere(job: Job) -> set[str] | None:
+    """The job's actor nodes when each has trained the job's current iteration, else None."""
+    if job.iteration >= job.iterations_total:
+        return None
+    nodes = actor_nodes(job)
+    if not nodes:
+        return None
+    reports = _reports(job)
+    for name in nodes:
+        trained = reports.get(name, {}).get("trained_iteration")
+        if trained is None or trained < job.iteration:
+            return None
+    return nodes
+
+
+# --- the reply --------------------------------------------------------------------------------------
+
+
+def _aggregate(kind: str, reports: Iterable[Mapping[str, Any]], group: str, iteration: int) -> int | None:
+    """Completed samples of ``group`` in ``iteration`` over the nodes' reports: summed, except for
+    the trainer, whose nodes each report the whole gang's progress. None when no node reported."""
+    counts = [
+        int(r["groups"][group][0])
+        for r in reports
+        if r.get("iteration") == iteration and group in r.get("groups", {})
+    ]
+    if not counts:
+        return None
+    return max(counts) if kind == ACTOR_KIND else sum(counts)
+
+
+def _samples_per_iteration(job: Job) -> int:
+    workload = job.spec.get("workload", {}) if isinstance(job.spec, dict) else {}
+    return int(workload.get("prompts_per_iteration", 0)) * int(workload.get("samples_per_prompt", 1))
+
+
+def _staleness(job: Job) -> int:
+    workload = job.spec.get("workload", {}) if isinstance(job.spec, dict) else {}
+    return max(0, int(workload.get("staleness") or 0))
+
+
+def _leaving(plans: Iterable[Mapping[str, Any]]) -> set[str]:
+    leaving: set[str] = set()
+    for plan in plans:
+        for step in plan.get("steps", []):
+            if step.get("kind") in LEAVING_STEP_KINDS:
+                leaving.update(step.get("worker_ids", []))
+    return leaving
+
+
+def _node_jobs(
+    node: Node, open_migrations: Sequence[tuple[int, list[str], Mapping[str, Any]]]
+) -> tuple[list[int], set[int]]:
+    """Jobs with live workers on the node, and jobs whose open migrations move devices of the
+    node without the job having workers there yet (the node then needs the job's spec)."""
+    hosted = set(
+        Worker.objects.filter(state__in=LIVE_WORKER_STATES)
+        .filter(Q(devices__node=node) | Q(colocated_devices__node=node))
+        .values_list("group__job_id", flat=True)
+        .distinct()
+    )
+    prefix = f"{node.name}/"  # device uids are "<node>/gpu<index>" (agents.services registers them so)
+    joining = {job_id for job_id, moved, _ in open_migrations if any(uid.startswith(prefix) for uid in moved)}
+    return sorted(hosted | joining), joining - hosted
+
+
+def reply_for(node: Node) -> dict[str, Any]:
+    """The heartbeat reply's ``jobs`` section for the jobs with workers on ``node``, keyed by job id:
+
+    - ``iteration``, ``iterations_total``, ``state``: the job's;
+    - ``groups``: per group ``kind``, ``workers`` (live members, sorted, without those leaving in
+      an open migration), ``completed`` (samples of the current iteration over all nodes) and
+      ``total`` (samples per iteration);
+    - ``partitions``: per open iteration (``"<k>"``) and rollout group, the frozen ``workers`` the
+      episodes are split over, the members already ``claimed``, and ``adopt`` (member -> worker
+      that takes over the share of a member gone before its agent started it);
+    - ``spec``: the job's spec, only for a node joining the job through a migration.
+    """
+    open_migrations = list(
+        Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).values_list("job_id", "device_uids", "plan")
+    )
+    job_ids, joining = _node_jobs(node, open_migrations)
+    if not job_ids:
+        return {}
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=job_ids)}
+    kinds: dict[int, dict[str, str]] = defaultdict(dict)
+    for job_id, name, kind in WorkerGroup.objects.filter(job_id__in=job_ids).values_list(
+        "job_id", "name", "kind"
+    ):
+        kinds[job_id][name] = kind
+    live: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for job_id, group, name in (
+        Worker.objects.filter(group__job_id__in=job_ids, state__in=LIVE_WORKER_STATES)
+        .order_by("name")
+        .values_list("group__job_id", "group__name", "name")
+    ):
+        live[job_id][group].append(name)
+    plans: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for job_id, _, plan in open_migrations:
+        plans[job_id].append(plan)
+
+    client = redis_client()
+    windows = {job_id: _window(job) for job_id, job in jobs.items()}
+    pipe = client.pipeline(transaction=False)
+    for job_id, job in jobs.items():
+        pipe.hgetall(nodes_key(scope_of(job)))
+        for iteration in windows[job_id]:
+            pipe.get(partition_key(scope_of(job), iteration))
+    answers = iter(pipe.execute())
+    reports: dict[int, list[dict[str, Any]]] = {}
+    frozen: dict[int, dict[int, dict[str, list[str]]]] = {}
+    for job_id in jobs:
+        reports[job_id] = [json.loads(v) for v in next(answers).values()]
+        frozen[job_id] = {}
+        for iteration in windows[job_id]:
+            raw = next(answers)
+            if raw is not None:
+                frozen[job_id][iteration] = json.loads(raw)
+
+    reply: dict[str, Any] = {}
+    for job_id, job in jobs.items():
+        leaving = _leaving(plans[job_id])
+        total = _samples_per_iteration(job)
+        groups: dict[str, Any] = {}
+        for group, kind in sorted(kinds[job_id].items()):
+            members = live[job_id].get(group, [])
+            staying = [w for w in members if w not in leaving] or members
+            completed = _aggregate(kind, reports[job_id], group, job.iteration)
+            groups[group] = {"kind": kind, "workers": staying, "completed": completed or 0, "total": total}
+        _freeze(job, windows[job_id], frozen[job_id], groups)
+        entry: dict[str, Any] = {
+            "iteration": job.iteration,
+            "iterations_total": job.iterations_total,
+            "state": job.state,
+            "groups": groups,
+            "partitions": _partitions(job, frozen[job_id], groups, live[job_id], leaving),
+        }
+        if job_id in joining:
+            entry["spec"] = job.spec
+        reply[str(job_id)] = entry
+    return reply
+
+
+def _window(job: Job) -> list[int]:
+    """Iterations the rollout may work on: the current one and, for an asynchronous job, up to
+    ``staleness`` ahead (generated with weights at most that many versions old)."""
+    if job.state not in ACTIVE_JOB_STATES:
+        return []
+    last = min(job.iteration + _staleness(job), job.iterations_total - 1)
+    return list(range(job.iteration, last + 1))
+
+
+def _freeze(
+    job: Job, window: Sequence[int], frozen: dict[int, dict[str, list[str]]], groups: Mapping[str, Any]
+) -> None:
+    """Fix the members of each newly opened iteration, once: the first reply that opens it wins
+    (SET NX), so every agent partitions the iteration's episodes the same way."""
+    missing = [i for i in window if i not in frozen]
+    if not missing:
+        return
+    members = {g: v["workers"] for g, v in groups.items() if v["kind"] == ROLLOUT_KIND}
+    if not members or not all(members.values()):
+        return  # a rollout group with no live member yet: nothing to split over
+    client = redis_client()
+    value = json.dumps(members, separators=(",", ":"))
+    pipe = client.pipeline(transaction=False)
+    for iteration in missing:
+        pipe.set(partition_key(scope_of(job), iteration), value, nx=True, ex=PROGRESS_TTL_S)
+    for iteration in missing:
+        pipe.get(partition_key(scope_of(job), iteration))
+    answers = pipe.execute()[len(missing) :]
+    for iteration, raw in zip(missing, answers, strict=True):
+        if raw is not None:
+            frozen[iteration] = json.loads(raw)
+
+
+def _partitions(
+    job: Job,
+    frozen: Mapping[int, Mapping[str, list[str]]],
+    groups: Mapping[str, Any],
+    live: Mapping[str, list[str]],
+    leaving: set[str],
+) -> dict[str, Any]:
+    if not frozen:
+        return {}
+    pipe = redis_client().pipeline(transaction=False)
+    order = [(i, g) for i in sorted(frozen) for g in sorted(frozen[i])]
+    for iteration, group in order:
+        pipe.smembers(claims_key(scope_of(job), iteration, group))
+    claimed_sets = dict(zip(order, pipe.execute(), strict=True))
+    partitions: dict[str, Any] = {}
+    for iteration, group in order:
+        members = frozen[iteration][group]
+        claimed = {_text(c) for c in claimed_sets[(iteration, group)]}
+        current = groups.get(group, {}).get("workers", [])
+        still = set(live.get(group, []))
+        adopt = {
+            member: current[position % len(current)]
+            for position, member in enumerate(members)
+            if member not in claimed and (member not in still or member in leaving) and current
+        }
+        partitions.setdefault(str(iteration), {})[group] = {
+            "workers": list(members),
+            "claimed": sorted(claimed),
+            "adopt": adopt,
+        }
+    return partitions
+
+
+def group_progress(job_id: int) -> dict[str, tuple[int, int]]:
+    """Per group of the job, (samples completed over all nodes, samples per iteration) in the job's
+    current iteration; groups no node reported for that iteration (tool sandboxes) are left out."""
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None:
+        return {}
+    reports = list(_reports(job).values())
+    total = _samples_per_iteration(job)
+    progress: dict[str, tuple[int, int]] = {}
+    for name, kind in WorkerGroup.objects.filter(job=job).order_by("id").values_list("name", "kind"):
+        completed = _aggregate(kind, reports, name, job.iteration)
+        if completed is not None:
+            progress[name] = (min(completed, total) if total else completed, total)
+    return progress
+
+
+def forget_job(job: Job) -> None:
+    """Drop a job's progress keys (they also expire on their own)."""
+    client = redis_client()
+    keys = list(client.scan_iter(match=f"{KEY_PREFIX}:{scope_of(job)}:*", count=1000))
+    if keys:
+        client.delete(*keys)
