@@ -1,4 +1,4 @@
-"""DynaRL's scheduling policy (Algorithm 1): shrink drained dynamic groups, grow the bottleneck."""
+"""DynaRL's scheduling policy (Algorithm 1): shrink drained groups, grow the stage that paces the job."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from scheduler.core.decisions import Candidate, Decision, Prediction, Reason
-from scheduler.core.hypergraph import ComponentKind, Device, Hypergraph, HyperNode, Worker
+from scheduler.core.hypergraph import ComponentKind, Device, Hypergraph, HyperNode, MigrationStrategy, Worker
 from scheduler.core.policies.base import BasePolicy, Placement
 from scheduler.core.policies.moves import (
-    apply_move,
     bundles,
     devices_of,
     make_decision,
@@ -23,8 +22,8 @@ from scheduler.core.policies.moves import (
     release_problem,
     valid_growth_steps,
 )
+from scheduler.core.policies.pace import PaceMemory, PaceModel, consolidation_slowdown, largest_valid_gpus
 from scheduler.core.policies.params import ParamSpec
-from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signals import GroupSignals
 
 NOT_BEST = "a better candidate was chosen"
@@ -32,121 +31,76 @@ _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
-class _Tail:
-    """A dynamic group whose workers have mostly drained: its stragglers, not its GPUs, set its pace."""
+class _Move:
+    """A move being weighed: ``workers`` of ``donor`` (or ``devices`` from the free pool) to
+    ``recipient``."""
 
-    needed_workers: int  # workers still needed to hold its remaining requests
+    donor: HyperNode | None
+    recipient: HyperNode
+    devices: tuple[Device, ...]
+    workers: tuple[Worker, ...] = ()
 
-
-class _JobModel:
-    """Predicted job tokens/s as allocations change, built once per tick.
-
-    Stages are component kinds: groups of one kind share that stage's work, so a stage runs at
-    the sum of its groups' rates, and the job at its slowest stage. Only pacing (non-drained)
-    groups count when any stage has one; drained groups cost a penalty when left with fewer
-    workers than their remaining requests need. A candidate changes two groups, so everything
-    else is worked out once.
-    """
-
-    def __init__(self, predictor: ThroughputPredictor, graph: Hypergraph, tails: Mapping[str, _Tail]) -> None:
-        self.predictor = predictor
-        self.tails = tails
-        self.nodes: dict[str, HyperNode] = {n.id: n for n in graph.nodes}
-        self.gpus: dict[str, int] = {}
-        self.rates: dict[str, float] = {}
-        pacing: dict[ComponentKind, float] = {}
-        every: dict[ComponentKind, float] = {}
-        self.slow_tails: dict[str, float] = {}  # drained group -> its penalty factor, when under 1
-        for node in graph.nodes:
-            gpus = node.gpus
-            self.gpus[node.id] = gpus
-            if gpus <= 0:
-                continue  # CPU-side groups hold no GPUs
-            rate = predictor.predict(node.id, node.kind, gpus)
-            self.rates[node.id] = rate
-            every[node.kind] = every.get(node.kind, 0.0) + rate
-            if node.id in tails:
-                factor = self._tail_factor(node, gpus)
-                if factor < 1.0:
-                    self.slow_tails[node.id] = factor
-            else:
-                pacing[node.kind] = pacing.get(node.kind, 0.0) + rate
-        self.uses_pacing = bool(pacing)
-        self.stage_rates = pacing or every
-
-    def _tail_factor(self, node: HyperNode, gpus: int) -> float:
-        needed = self.tails[node.id].needed_workers
-        if needed <= 0:
-            return 1.0
-        return min(1.0, (gpus // node.parallelism.gpus_per_worker) / needed)
-
-    def rate(self, changes: Mapping[str, int] | None = None) -> float:
-        """Job tokens/s with ``changes`` (group id -> GPUs) applied."""
-        changes = changes or {}
-        stages = dict(self.stage_rates)
-        penalty = 1.0
-        for group_id, factor in self.slow_tails.items():
-            if group_id not in changes:
-                penalty *= factor
-        for group_id, gpus in changes.items():
-            node = self.nodes.get(group_id)
-            if node is None:
-                continue
-            drained = group_id in self.tails
-            if drained:
-                penalty *= self._tail_factor(node, gpus)
-                if self.uses_pacing:
-                    continue  # a drained group's GPUs do not pace its stage
-            new_rate = self.predictor.predict(group_id, node.kind, gpus)
-            stages[node.kind] = stages.get(node.kind, 0.0) - self.rates.get(group_id, 0.0) + new_rate
-        if not stages:
-            return 0.0
-        return max(0.0, min(stages.values())) * penalty
+    @property
+    def gpus(self) -> int:
+        return len(self.devices)
 
 
 class DynaRLPolicy(BasePolicy):
-    """Algorithm 1 of DynaRL.
+    """Algorithm 1 of DynaRL, its prediction step made concrete by a pace model.
 
-    When more than ``low_fraction_threshold`` of a dynamic group's workers (rollout, inference)
-    stay under ``u_low`` for ``sustain_s``, the policy weighs shrink candidates: give k of the idle
-    workers (k over the sizes the donor and recipient can both run) to a bottleneck group. For each
-    it predicts the donor's loss, the recipient's gain and the job's throughput with the
-    predictor, prices the move (``MigrationCostModel``: the job's throughput lost while it
-    switches), and takes the best predicted net gain if it clears ``min_gain_ratio``. Free devices
-    go to the bottleneck the same way. Borrowed GPUs go back to their group at iteration end, or
-    as soon as that group has work again and is the bottleneck. Every candidate, chosen or not,
-    is kept on the decision (and in ``last_candidates``) with its prediction and why it lost.
+    Trigger (the paper's): when more than ``low_fraction_threshold`` of a dynamic group's workers
+    (rollout, inference) stay under ``u_low`` for ``sustain_s``, the group is a donor; so is a
+    static group (the trainer) that has nothing to do and nothing queued (``lend_idle_static``).
 
-    Beyond Algorithm 1 (``lend_idle_static``): a static group that waits for input (its workers
-    under ``u_low`` for the sustained window, nothing queued; e.g. a trainer before its first
-    mini-batch) lends its idle GPUs the same way, after the dynamic donors, and takes them back
-    as soon as it has work. GPUs a static group lent are not passed on by the borrower: a
-    trainer's valid data-parallel sizes rarely survive collecting them back from several groups.
+    Candidates: for each donor, the first k of its idle workers (whole recipient workers, k over
+    the sizes both groups can run) go to a group with work waiting for it: the rollout with
+    requests waiting for a slot, a log-prob group with a backlog, the trainer with ready
+    mini-batches or one running (at most ``max_recipients``, the most pressed first;
+    ``max_candidates`` sizes per donor).
 
-    Job model (pipelined, disaggregated): the job runs at its slowest stage (DynaRL's
-    approximation); a stage is a component kind, its groups' rates add up. A drained group is
-    paced by its stragglers, not its GPUs, so it does not bind while it keeps enough workers for
-    its remaining requests (``in_flight + queue_length`` over ``max_in_flight_per_worker``, or
-    its busy workers when the engine concurrency is unknown); keeping fewer slows the job in
-    proportion. A drained group stays drained until requests queue for it again or its progress
-    restarts; a group that has not started yet is not drained. A group waiting for input (not
-    busy, or mostly idle) is not a recipient: more GPUs would idle there too. Recipients are
-    ranked slowest stage first. Gains last until the recipient's work in this iteration is done,
-    estimated from its progress and the time since the iteration began (``default_horizon_s``
-    until known).
+    Prediction (``pace.PaceModel``): when the work the rollout is generating will be trained,
+    from the rollout's remaining tail (learned from the job's previous rollout batch), the
+    slowdown of consolidating its stragglers onto fewer engines (decode is memory-bound; the
+    share of a step that grows with the batch is measured on the job's own resizes, starting
+    from ``kv_share_prior``), and the pipeline's remaining GPU-seconds (predictor rates, tokens
+    per iteration learned from the trainer, one of ``n_minibatches`` draining after the
+    rollout). A candidate's gain is how much earlier that comes, net of the move's cost (GPUs in
+    transit, a trainer paused for its state transfer; twice when the GPUs will have to come
+    back). The best gain wins if it raises the predicted job throughput by ``min_gain_ratio``
+    (hysteresis); a donor consolidated by a move keeps workers enough to stay under twice
+    ``u_low``. Every candidate, chosen or not, is kept on the decision (and in
+    ``last_candidates``) with its prediction and why it lost.
+
+    Returns: borrowed GPUs go back when their group has work queued again and the pace model
+    says the job gains from it; GPUs a synchronous rollout lent to a group that has finished its
+    share of the iteration go home before the next batch; at iteration end every borrowed GPU
+    goes home, unless the rollout already generates the next iteration (asynchronous RL).
+
+    Pace rebalancing (beyond Algorithm 1): when a rollout has requests waiting for a slot and
+    no group is idle, a working group gives it workers if that raises the predicted job
+    throughput by ``rebalance_gain_ratio`` for ``sustain_s`` (asynchronous RL, where a new batch
+    arrives while every stage is busy).
+
+    Placement: ``plan_initial_split`` keeps the job spec's split except the trainer, which starts
+    at its smallest valid size (in a synchronous iteration it has nothing to train until its
+    first mini-batch is complete); its other GPUs go to the groups that have work from the
+    first seconds (rollout, log-probs) in proportion to the spec's split.
 
     | parameter | default | meaning |
     | --- | --- | --- |
     | `u_low` | 0.2 | utilisation under which a worker counts as idle (configure the signal window with it) |
-    | `low_fraction_threshold` | 0.5 | fraction of a dynamic group's workers that must be idle to trigger |
+    | `low_fraction_threshold` | 0.5 | fraction of a group's workers that must be idle to trigger |
     | `sustain_s` | 10.0 | seconds the trigger must hold; the signal window counts towards it |
-    | `cooldown_s` | 10.0 | no new move touching a group for this long after its last one |
-    | `min_gain_ratio` | 0.05 | hysteresis: predicted job gain / job throughput a move must reach |
-    | `max_candidates` | 16 | shrink candidates weighed per trigger (sizes spread over the range) |
-    | `max_recipients` | 3 | bottleneck groups weighed as recipients per trigger, slowest first |
+    | `cooldown_s` | 10.0 | no new move touching a group for this long after its last one (a signal window) |
+    | `min_gain_ratio` | 0.05 | hysteresis: predicted job throughput gain a move must reach |
+    | `max_candidates` | 16 | shrink candidates weighed per donor (sizes spread over the range) |
+    | `max_recipients` | 3 | groups with queued work weighed as recipients per donor, most pressed first |
     | `lend_idle_static` | True | static groups waiting for input lend their idle GPUs too |
-    | `default_horizon_s` | 30.0 | expected useful time of a move while the recipient's remaining time is unknown |
-    | `max_horizon_s` | 600.0 | cap on that estimate, so an early, noisy progress reading cannot justify any cost |
+    | `default_horizon_s` | 30.0 | the rollout's remaining time, and the pipeline's work, assumed before anything is known |
+    | `max_horizon_s` | 600.0 | cap on the rollout's estimated remaining time |
+    | `n_minibatches` | 8 | trainer mini-batches per iteration (the job spec fills it): one drains after the rollout |
+    | `rebalance_gain_ratio` | 0.2 | predicted job throughput gain needed to take workers from a group that is not idle (0: never) |
+    | `kv_share_prior` | 0.3 | share of a decode step that grows with the running sequences, until the job's own rollout resizes measure it |
     """
 
     name = "dynarl"
@@ -156,7 +110,7 @@ class DynaRLPolicy(BasePolicy):
         ParamSpec(
             "low_fraction_threshold",
             0.5,
-            "fraction of a dynamic group's workers that must be idle to trigger",
+            "fraction of a group's workers that must be idle to trigger",
             minimum=0.0,
             maximum=1.0,
         ),
@@ -164,42 +118,98 @@ class DynaRLPolicy(BasePolicy):
         ParamSpec(
             "cooldown_s", 10.0, "no new move touching a group for this long after its last", minimum=0.0
         ),
-        ParamSpec(
-            "min_gain_ratio", 0.05, "predicted job gain / job throughput a move must reach", minimum=0.0
-        ),
-        ParamSpec("max_candidates", 16, "shrink candidates weighed per trigger", minimum=1),
-        ParamSpec("max_recipients", 3, "bottleneck groups weighed as recipients per trigger", minimum=1),
+        ParamSpec("min_gain_ratio", 0.05, "predicted job throughput gain a move must reach", minimum=0.0),
+        ParamSpec("max_candidates", 16, "shrink candidates weighed per donor", minimum=1),
+        ParamSpec("max_recipients", 3, "groups with queued work weighed as recipients per donor", minimum=1),
         ParamSpec("lend_idle_static", True, "static groups waiting for input lend their idle GPUs too"),
         ParamSpec(
             "default_horizon_s",
             30.0,
-            "useful time of a move while the recipient's remaining time is unknown",
+            "the rollout's remaining time, and the pipeline's work, assumed before anything is known",
             minimum=0.0,
             exclusive_minimum=True,
         ),
         ParamSpec(
             "max_horizon_s",
             600.0,
-            "cap on the estimated useful time of a move",
+            "cap on the rollout's estimated remaining time",
             minimum=0.0,
             exclusive_minimum=True,
+        ),
+        ParamSpec("n_minibatches", 8, "trainer mini-batches per iteration", minimum=1),
+        ParamSpec(
+            "rebalance_gain_ratio",
+            0.2,
+            "predicted job throughput gain needed to take workers from a group that is not idle (0: never)",
+            minimum=0.0,
+        ),
+        ParamSpec(
+            "kv_share_prior",
+            0.3,
+            "share of a decode step that grows with the running sequences, until the job's moves measure it",
+            minimum=0.0,
+            maximum=1.0,
         ),
     )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._low_since: dict[str, float] = {}
-        # Dynamic groups that drained this iteration and have not had new work since; they stay
-        # paced by their stragglers even while the few workers they kept look busy.
-        self._drained: set[str] = set()
-        self._last_progress: dict[str, float] = {}
+        self.memory = PaceMemory()
+        self._rebalance_since: dict[str, float] = {}
+        # Groups with queued work, ranked; computed once per tick (and per set of busy groups).
+        self._recipient_cache: tuple[frozenset[str], list[HyperNode]] | None = None
         self.last_candidates: tuple[Candidate, ...] = ()
 
     @property
     def u_low(self) -> float:
         return self.param_float("u_low")
 
-    # -- the tick ----------------------------------------------------------------------------
+    # -- placement -----------------------------------------------------------------------------
+
+    def plan_initial_split(self, total_gpus: int, groups: Sequence[HyperNode]) -> dict[str, int] | None:
+        """The job spec's split with the trainer at its smallest valid size: in a synchronous
+        iteration it has nothing to train until the first mini-batch is complete, while the
+        rollout and the other GPU groups (log-probs) have work from the first seconds. The
+        trainer's other GPUs go to those groups in proportion to what the spec gives them, in
+        whole workers; what does not make a whole worker stays with the trainer."""
+        if total_gpus <= 0:
+            raise ValueError(f"total_gpus must be positive, got {total_gpus}")
+        trainers = [g for g in groups if g.kind is ComponentKind.ACTOR and g.gpus > 0]
+        takers = [g for g in groups if g.kind is not ComponentKind.ACTOR and g.gpus > 0]
+        if not trainers or not any(g.kind is ComponentKind.ROLLOUT for g in takers):
+            return None
+        split = {g.id: g.gpus for g in groups}
+        freed = 0
+        for trainer in trainers:
+            smallest = _smallest_valid_gpus(trainer)
+            if 0 < smallest < trainer.gpus:
+                freed += trainer.gpus - smallest
+                split[trainer.id] = smallest
+        held = sum(g.gpus for g in takers)
+        left = freed
+        # Non-rollout groups get their share in whole workers, rounded to the nearest; the
+        # rollout groups (engines are the smallest workers) take the rest.
+        for group in sorted(takers, key=lambda g: g.kind is ComponentKind.ROLLOUT):
+            size = group.parallelism.gpus_per_worker
+            share = freed * group.gpus / held
+            extra = min(left, math.floor(share / size + 0.5) * size)
+            extra -= extra % size
+            if group.max_workers is not None:
+                extra = min(extra, max(0, group.max_workers * size - group.gpus))
+            split[group.id] += extra
+            left -= extra
+        # The rounding remainder: whole workers to the rollout first, then to the others.
+        for group in sorted(takers, key=lambda g: g.kind is not ComponentKind.ROLLOUT):
+            size = group.parallelism.gpus_per_worker
+            while left >= size and (group.max_workers is None or split[group.id] // size < group.max_workers):
+                split[group.id] += size
+                left -= size
+        if left:
+            split[trainers[0].id] += left
+        return split
+
+    # -- the tick ------------------------------------------------------------------------------
 
     def decide(
         self,
@@ -209,48 +219,76 @@ class DynaRLPolicy(BasePolicy):
         now: float,
     ) -> list[Decision]:
         self._sync(graph, now, free_devices)
+        self.memory.observe(graph, signals, now)
         self._track_triggers(graph, signals, now)
         busy = self.pending.busy_groups()
-        decisions: list[Decision] = []
+        model = self._model(graph, signals, now)
+        self._recipient_cache = None
+        base = model.finish_s()
+
         considered: list[Candidate] = []
-
-        for returned in self._returns_to_working_groups(graph, signals, busy, now):
-            decisions.append(returned)
-            graph = self._after(graph, returned)
-            busy.update(g for g in (returned.donor, returned.recipient) if g)
-
-        tails = self._tails(graph, signals)
-        model = self._job_model(graph, tails)
-        # Recipients are ranked once per graph: the bottleneck order does not depend on the donor.
-        ranked = self._bottlenecks(graph, model, signals, busy, now)
-        for donor in self._triggered_donors(graph, signals, busy, now):
-            if donor.id in busy:
-                continue
-            others = [n for n in ranked if n.id != donor.id and n.id not in busy]
-            shrink, candidates = self._shrink(graph, model, others, donor, signals, now)
+        decision = self._home_before_next_batch(graph, signals, model, busy, now)
+        if decision is None:
+            decision = self._best_return(graph, signals, model, base, busy, now)
+        if decision is None:
+            decision, considered = self._best_shrink(graph, signals, model, base, busy, now)
+        if decision is None and not considered:
+            decision, candidates = self._best_rebalance(graph, signals, model, base, busy, now)
             considered.extend(candidates)
-            if shrink is not None and shrink.recipient is not None:
-                decisions.append(shrink)
-                graph = self._after(graph, shrink)
-                busy.update((donor.id, shrink.recipient))
-                self.loans.pass_on(donor.id, shrink.recipient, shrink.device_ids, now)
-                model = self._job_model(graph, tails)
-                ranked = self._bottlenecks(graph, model, signals, busy, now)
-
-        if free_devices:
-            growth, candidates = self._grow_into_free(graph, model, signals, free_devices, busy, now)
+        if decision is None and free_devices:
+            decision, candidates = self._grow_into_free(graph, signals, model, base, free_devices, busy, now)
             considered.extend(candidates)
-            if growth is not None:
-                decisions.append(growth)
-
         self.last_candidates = tuple(considered)
-        return self._issued(decisions, now)
+        if decision is None:
+            return []
+        self._probe_rollout(graph, signals, model, decision, now)
+        if decision.reason is Reason.RETURN_BORROWED:
+            assert decision.recipient is not None and decision.donor is not None
+            self.loans.settle(decision.recipient, decision.donor, decision.device_ids)
+        elif decision.donor is not None and decision.recipient is not None:
+            self.loans.pass_on(decision.donor, decision.recipient, decision.device_ids, now)
+        return self._issued([decision], now)
+
+    def _needs_back(self, donor: HyperNode, model: PaceModel) -> bool:
+        """Whether GPUs taken from ``donor`` are bound to return to it: a synchronous rollout's
+        next batch needs them, as does a static group (the trainer) with work left."""
+        if donor.kind is ComponentKind.ROLLOUT:
+            return self._synchronous(model)
+        return not donor.is_dynamic and model.work_gpu_s.get(donor.id, 0.0) > 0
+
+    def _synchronous(self, model: PaceModel) -> bool:
+        """Whether the rollout works on the trainer's own iteration (no batch generated ahead)."""
+        return model.batches_ahead == 0
+
+    def _probe_rollout(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        decision: Decision,
+        now: float,
+    ) -> None:
+        """Have the memory measure what a rollout resize does to its requests' decode speed."""
+        if model.rollout is None:
+            return
+        delta = 0
+        for group_id, sign in ((decision.donor, -1), (decision.recipient, 1)):
+            if group_id in model.rollout_ids:
+                delta += sign * len(decision.device_ids)
+        if delta == 0:
+            return
+        chosen = decision.chosen
+        cost = chosen.migration_cost_s if chosen is not None else 0.0
+        window = max((s.window_s for g, s in signals.items() if g in model.rollout_ids), default=0.0)
+        self.memory.note_rollout_resize(model.rollout, model.rollout.gpus + delta, now, cost + window + 1.0)
 
     def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
-        """Every borrowed GPU goes home: the next iteration's rollout needs its full size."""
+        """Every borrowed GPU goes home for the next iteration's rollout, unless the rollout is
+        already generating it (asynchronous RL): then the ticks weigh each return."""
         self._sync(graph, now)
         self._low_since.clear()
-        self._drained.clear()
+        if self.memory.generating_ahead(graph.iteration):
+            return []
         decisions = []
         for move in self.loans.return_moves(graph):
             if not movable_between_iterations(move.borrower) or not movable_between_iterations(move.lender):
@@ -271,48 +309,40 @@ class DynaRLPolicy(BasePolicy):
             self.loans.settle(move.lender.id, move.borrower.id, [d.id for d in devices])
         return self._issued(decisions, now)
 
-    # -- triggers ----------------------------------------------------------------------------
+    # -- triggers ------------------------------------------------------------------------------
 
     def _track_triggers(self, graph: Hypergraph, signals: Mapping[str, GroupSignals], now: float) -> None:
         threshold = self.param_float("low_fraction_threshold")
         for node in graph.nodes:
             sig = signals.get(node.id)
-            if sig is not None and sig.low_utilisation_fraction > threshold and self._may_lend(node, sig):
+            idle = sig is not None and (sig.low_utilisation_fraction > threshold or not sig.busy)
+            if sig is not None and idle and self._may_lend(node, sig):
                 self._low_since.setdefault(node.id, now)
-                if node.is_dynamic:
-                    self._drained.add(node.id)
             else:
                 self._low_since.pop(node.id, None)
-            if sig is None:
-                continue
-            if node.id in self._drained and self._has_new_work(node.id, sig):
-                self._drained.discard(node.id)
-            self._last_progress[node.id] = sig.progress
 
     def _may_lend(self, node: HyperNode, sig: GroupSignals) -> bool:
         """Dynamic groups lend when drained; static ones (with ``lend_idle_static``) only while
         they wait for input with nothing queued."""
+        if node.gpus <= 0:
+            return False
         if node.is_dynamic:
             return True
-        return self.param_bool("lend_idle_static") and node.gpus > 0 and sig.queue_length == 0
-
-    def _has_new_work(self, group_id: str, sig: GroupSignals) -> bool:
-        """Requests wait for a worker, or the group's progress restarted (a new batch)."""
-        restarted = sig.progress + 1e-9 < self._last_progress.get(group_id, 0.0)
-        return sig.queue_length > 0 or restarted
+        return self.param_bool("lend_idle_static") and sig.queue_length == 0
 
     def _sustained_s(self, group_id: str, sig: GroupSignals, now: float) -> float:
         """How long the low-utilisation condition has held: the window it was measured over
-        (the workers were idle for all of it) plus the ticks it has held since."""
+        (the workers were idle for all of it) plus the ticks it has held since; for a group that
+        merely has nothing to do, the ticks since it was first seen so."""
         since = self._low_since.get(group_id)
         if since is None:
             return 0.0
-        return sig.window_s + (now - since)
+        if sig.low_utilisation_fraction > self.param_float("low_fraction_threshold"):
+            return sig.window_s + (now - since)
+        # Idle only in the sense of having nothing to do right now: no window vouches for it.
+        return now - since
 
-    def _sustained(self, node: HyperNode, sig: GroupSignals, now: float) -> bool:
-        return self._sustained_s(node.id, sig, now) + 1e-9 >= self.param_float("sustain_s")
-
-    def _triggered_donors(
+    def _donors(
         self, graph: Hypergraph, signals: Mapping[str, GroupSignals], busy: set[str], now: float
     ) -> list[HyperNode]:
         donors = []
@@ -322,181 +352,432 @@ class DynaRLPolicy(BasePolicy):
                 continue
             if not movable_at_runtime(node) or not self.cooldowns.ready(node.id, now):
                 continue
-            if not self._sustained(node, sig, now):
+            if self._sustained_s(node.id, sig, now) + 1e-9 < self.param_float("sustain_s"):
                 continue
             donors.append(node)
         # Algorithm 1's dynamic donors first, then idle static groups; the most drained first.
         donors.sort(key=lambda n: (not n.is_dynamic, -signals[n.id].low_utilisation_fraction, n.id))
         return donors
 
-    # -- the job model -----------------------------------------------------------------------
-
-    def _tails(self, graph: Hypergraph, signals: Mapping[str, GroupSignals]) -> dict[str, _Tail]:
-        """Drained dynamic groups: paced by their stragglers, not their GPUs. A group that has
-        not started this iteration (no progress, nothing to do yet) is not drained: its
-        capacity will pace the pipeline once its input arrives."""
-        threshold = self.param_float("low_fraction_threshold")
-        tails: dict[str, _Tail] = {}
-        for node in graph.nodes:
-            sig = signals.get(node.id)
-            if not node.is_dynamic or sig is None:
-                continue
-            idle = sig.low_utilisation_fraction > threshold or not sig.busy
-            if (idle and sig.progress > 0.0) or node.id in self._drained:
-                tails[node.id] = _Tail(needed_workers=_needed_workers(node, sig))
-        return tails
-
-    def _job_model(self, graph: Hypergraph, tails: Mapping[str, _Tail]) -> _JobModel:
-        return _JobModel(self.predictor, graph, tails)
-
-    def _horizon_s(self, recipient: HyperNode, signals: Mapping[str, GroupSignals], now: float) -> float:
-        """How long the recipient will keep using what it gets: its remaining time this iteration."""
-        sig = signals.get(recipient.id)
-        elapsed = self.clock.elapsed_s(now)
-        if sig is None or not 0.0 < sig.progress < 1.0 or elapsed <= 0:
-            return self.param_float("default_horizon_s")
-        remaining = elapsed * (1.0 - sig.progress) / sig.progress
-        return min(remaining, self.param_float("max_horizon_s"))
-
-    def _bottlenecks(
+    def _recipients(
         self,
         graph: Hypergraph,
-        model: _JobModel,
         signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        busy: set[str],
+        now: float,
+        exclude: str | None = None,
+    ) -> list[HyperNode]:
+        """Groups with work waiting for more GPUs (``_has_work_waiting``: the bottlenecks), the
+        most pressed first: the most remaining work per GPU, as the pace model counts it (queued
+        requests per engine for a rollout); at most ``max_recipients``, ``exclude`` left out."""
+        ranked = self._ranked_recipients(graph, signals, model, busy, now)
+        return [n for n in ranked if n.id != exclude][: self.param_int("max_recipients")]
+
+    def _ranked_recipients(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
         busy: set[str],
         now: float,
     ) -> list[HyperNode]:
-        """Groups that could take GPUs, the slowest predicted stage first."""
-        threshold = self.param_float("low_fraction_threshold")
+        key = frozenset(busy)
+        if self._recipient_cache is not None and self._recipient_cache[0] == key:
+            return self._recipient_cache[1]
         eligible = []
         for node in graph.nodes:
-            if node.id in busy or node.id in model.tails:
+            if node.id in busy or model.gpus.get(node.id, 0) <= 0:
+                continue
+            sig = signals.get(node.id)
+            if sig is None or not _has_work_waiting(node, sig, self.u_low):
                 continue
             if not movable_at_runtime(node) or not self.cooldowns.ready(node.id, now):
                 continue
-            sig = signals.get(node.id)
-            # A group waiting for input would not use more GPUs; a dynamic group is a recipient
-            # only while work queues up for it.
-            if sig is None or not sig.busy or sig.low_utilisation_fraction > threshold:
-                continue
-            if node.is_dynamic and sig.queue_length <= 0:
-                continue
             eligible.append(node)
-        # The slowest stage's groups first, the slowest group first within a stage.
-        eligible.sort(
-            key=lambda n: (model.stage_rates.get(n.kind, math.inf), model.rates.get(n.id, 0.0), n.id)
-        )
+
+        def pressure(node: HyperNode) -> float:
+            # Seconds of remaining work per GPU for a pipeline group, queued requests per worker
+            # for a serving group.
+            work = model.work_gpu_s.get(node.id)
+            if work is not None:
+                return work / max(1, model.effective_gpus(node, model.gpus[node.id]))
+            return signals[node.id].queue_length / max(1, len(node.workers))
+
+        eligible.sort(key=lambda n: (-pressure(n), n.id))
+        self._recipient_cache = (key, eligible)
         return eligible
 
-    # -- moves ---------------------------------------------------------------------------------
+    # -- the pace model -------------------------------------------------------------------------
 
-    def _shrink(
-        self,
-        graph: Hypergraph,
-        model: _JobModel,
-        ranked: Sequence[HyperNode],
-        donor: HyperNode,
-        signals: Mapping[str, GroupSignals],
-        now: float,
-    ) -> tuple[Decision | None, list[Candidate]]:
-        sig = signals[donor.id]
-        by_id: dict[str, Worker] = {w.id: w for w in donor.workers}
-        # GPUs a static group lent stay where they are until it takes them back: a trainer's
-        # valid data-parallel sizes rarely survive collecting them back from several groups.
-        static_groups = [n.id for n in graph.nodes if not n.is_dynamic]
-        pinned = self.loans.lent_by(static_groups)
-        # A group with nothing at all to do offers every worker, not only those the window saw idle.
-        offered = list(by_id) if not sig.busy else [w for w in sig.low_utilisation_workers if w in by_id]
-        idle = [by_id[w] for w in offered if not any(d.id in pinned for d in by_id[w].devices)]
-        recipients = list(ranked[: self.param_int("max_recipients")])
-        if not idle or not recipients:
-            return None, []
-
-        if not donor.is_dynamic:
-            # An idle static lender paces nothing until its input arrives; it takes its GPUs
-            # back then.
-            model = self._job_model(graph, {**model.tails, donor.id: _Tail(needed_workers=0)})
-        candidates: list[Candidate] = []
-        per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
-        for recipient in recipients:
-            # Candidate k gives the first k bundles of idle workers: whole recipient workers,
-            # k over the sizes both groups can run.
-            valid, problem = _valid_prefixes(donor, recipient, bundles(recipient, idle))
-            if not valid:
-                candidates.append(
-                    self._rejected(donor, recipient, idle, problem or "no whole workers to move")
-                )
-                continue
-            for prefix in _spread(valid, per_recipient):
-                candidates.append(self._evaluate(model, donor, recipient, prefix, signals, now))
-        return self._choose(
-            candidates,
-            Reason.DONOR_LOW_UTILISATION,
-            lambda c: (
-                f"{sig.low_utilisation_fraction:.0%} of {donor.id}'s workers under u_low={self.u_low} "
-                f"for {self._sustained_s(donor.id, sig, now):.0f}s: {len(c.device_ids)} GPUs to {c.recipient}"
-            ),
+    def _model(self, graph: Hypergraph, signals: Mapping[str, GroupSignals], now: float) -> PaceModel:
+        model = PaceModel(
             graph,
+            signals,
+            self.predictor,
+            self.memory,
             now,
+            n_minibatches=self.param_int("n_minibatches"),
+            max_horizon_s=self.param_float("max_horizon_s"),
+            kv_share_prior=self.param_float("kv_share_prior"),
+            # A drained group keeps workers enough to stay out of the busy band: consolidated,
+            # its kept workers' utilisation stays under twice U_low.
+            max_consolidated_utilisation=min(1.0, 2.0 * self.u_low),
+            default_horizon_s=self.param_float("default_horizon_s"),
         )
+        if model.rollout is not None and model.rollout.has_work and model.rollout.progress <= 0.0:
+            model.rollout_s = max(model.rollout_s, self.param_float("default_horizon_s"))
+        return model
 
-    def _evaluate(
+    def _score(
         self,
-        model: _JobModel,
-        donor: HyperNode,
-        recipient: HyperNode,
-        workers: Sequence[Worker],
+        model: PaceModel,
+        base: float,
+        move: _Move,
         signals: Mapping[str, GroupSignals],
-        now: float,
+        *,
+        requests_taken_back: int = 0,
     ) -> Candidate:
-        # ``workers`` is a valid prefix (see ``_valid_prefixes``): whole workers, valid sizes.
-        devices = devices_of(workers)
-        gpus = len(devices)
-        sig = signals[donor.id]
-        donor_gpus, recipient_gpus = model.gpus.get(donor.id, 0), model.gpus.get(recipient.id, 0)
-        after = {donor.id: donor_gpus - gpus, recipient.id: recipient_gpus + gpus}
-        capacity_before = self.predictor.predict(donor.id, donor.kind, donor_gpus)
-        # The donor delivers what its remaining requests ask for, up to what its GPUs allow.
-        demand = sig.tokens_per_s if sig.tokens_per_s > 0 else capacity_before
-        donor_before = min(capacity_before, demand)
-        needed = _needed_workers(donor, sig)
-        kept = len(donor.workers) - len(workers)
-        donor_after = min(self.predictor.predict(donor.id, donor.kind, after[donor.id]), donor_before)
-        if needed > 0:
-            donor_after *= min(1.0, kept / needed)
-        prediction = Prediction(
-            donor_before=donor_before,
-            donor_after=donor_after,
-            recipient_before=self.predictor.predict(recipient.id, recipient.kind, recipient_gpus),
-            recipient_after=self.predictor.predict(recipient.id, recipient.kind, after[recipient.id]),
-            job_before=model.rate(),
-            job_after=model.rate(after),
-        )
-        taken_back = math.ceil(sig.in_flight * len(workers) / max(len(donor.workers), 1))
+        """Predicted gain of ``move``: how much earlier the pace model's end comes, net of the
+        move's cost (its GPUs in transit, a trainer paused for a state transfer)."""
+        donor, recipient, gpus = move.donor, move.recipient, move.gpus
+        held = model.gpus
+        changes = {recipient.id: held[recipient.id] + gpus}
+        if donor is not None:
+            changes[donor.id] = held[donor.id] - gpus
         cost_s = migration_cost_s(
             self.cost_model,
             donor,
             recipient,
             gpus,
-            requests_taken_back=taken_back,
-            donor_gpus=donor_gpus,
-            recipient_gpus=recipient_gpus,
+            requests_taken_back=requests_taken_back,
+            donor_gpus=held[donor.id] if donor else None,
+            recipient_gpus=held[recipient.id],
         )
-        return self._scored(
-            donor, recipient, devices, prediction, cost_s, self._horizon_s(recipient, signals, now)
+        lost = gpus * cost_s
+        for node, after in (
+            (donor, changes.get(donor.id, 0) if donor else 0),
+            (recipient, changes[recipient.id]),
+        ):
+            if node is not None and node.strategy is MigrationStrategy.P2P:
+                # The trainer pauses (create-before-destroy still needs a consistent state).
+                pause = self.cost_model.estimate_s(
+                    MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=max(after, 1)
+                )
+                lost += pause * model.effective_gpus(node, min(held[node.id], after))
+        arrival = cost_s if recipient.kind is ComponentKind.ROLLOUT else 0.0
+        after_s = model.finish_s(changes, lost_gpu_s=lost, rollout_arrival_s=arrival)
+        if donor is not None and self._needs_back(donor, model):
+            # The GPUs will have to come back (the next batch of a synchronous rollout, the
+            # rest of an idle trainer's iteration): the move's cost is paid twice.
+            back_s = migration_cost_s(self.cost_model, recipient, donor, gpus)
+            after_s += gpus * back_s / max(1, model.total_gpus)
+        gain = base - after_s
+        prediction = self._prediction(model, base, after_s, move, signals, changes)
+        ratio = prediction.gain / prediction.job_before if prediction.job_before > 0 else 0.0
+        why = None
+        if not math.isfinite(after_s) or gain <= 0:
+            why = f"migration cost {cost_s:.2f}s outweighs the predicted gain ({gain:+.1f}s)"
+        elif ratio < self.param_float("min_gain_ratio"):
+            why = (
+                f"predicted job gain {ratio:.1%} is under min_gain_ratio "
+                f"{self.param_float('min_gain_ratio'):.1%}"
+            )
+        return Candidate(
+            donor=donor.id if donor else None,
+            recipient=recipient.id,
+            device_ids=tuple(d.id for d in move.devices),
+            prediction=prediction,
+            migration_cost_s=cost_s,
+            score=gain if math.isfinite(gain) else -math.inf,
+            rejected_because=why,
+        )
+
+    def _prediction(
+        self,
+        model: PaceModel,
+        base: float,
+        after_s: float,
+        move: _Move,
+        signals: Mapping[str, GroupSignals],
+        changes: Mapping[str, int],
+    ) -> Prediction:
+        """Group and job throughputs before and after (tokens/s): the job's is the tokens the
+        pace model's span trains over the span."""
+        tokens = model.tokens_to_train
+
+        def job(end: float) -> float:
+            span = end - model.now
+            return tokens / span if span > 0 and math.isfinite(span) and tokens > 0 else 0.0
+
+        def group(node: HyperNode | None, gpus: int) -> float:
+            if node is None:
+                return 0.0
+            if node.kind is ComponentKind.ROLLOUT and model.rollout is not None:
+                sig = signals.get(node.id)
+                delivered = sig.tokens_per_s if sig is not None and sig.tokens_per_s > 0 else 0.0
+                if delivered:
+                    # A drained rollout delivers what its stragglers allow, slowed by consolidation.
+                    return delivered / consolidation_slowdown(
+                        model.rollout,
+                        model.rollout.gpus + gpus - model.gpus[node.id],
+                        model.kv_share_floor,
+                        1.0,
+                    )
+            return self.predictor.predict(node.id, node.kind, model.effective_gpus(node, gpus))
+
+        donor, recipient = move.donor, move.recipient
+        return Prediction(
+            donor_before=group(donor, model.gpus[donor.id]) if donor else 0.0,
+            donor_after=group(donor, changes[donor.id]) if donor else 0.0,
+            recipient_before=group(recipient, model.gpus[recipient.id]),
+            recipient_after=group(recipient, changes[recipient.id]),
+            job_before=job(base),
+            job_after=job(after_s),
+        )
+
+    # -- moves ---------------------------------------------------------------------------------
+
+    def _best_shrink(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        base: float,
+        busy: set[str],
+        now: float,
+    ) -> tuple[Decision | None, list[Candidate]]:
+        candidates: list[Candidate] = []
+        # GPUs a static group lent stay where they are until it takes them back: a trainer's
+        # valid data-parallel sizes rarely survive collecting them back from several groups.
+        pinned = self.loans.lent_by([n.id for n in graph.nodes if not n.is_dynamic])
+        for donor in self._donors(graph, signals, busy, now):
+            sig = signals[donor.id]
+            by_id: dict[str, Worker] = {w.id: w for w in donor.workers}
+            # A group with nothing at all to do offers every worker, not only those the window saw idle.
+            offered_ids = (
+                list(by_id) if not sig.busy else [w for w in sig.low_utilisation_workers if w in by_id]
+            )
+            idle = [by_id[w] for w in offered_ids if not any(d.id in pinned for d in by_id[w].devices)]
+            if not idle:
+                continue
+            recipients = self._recipients(graph, signals, model, busy, now, exclude=donor.id)
+            if not recipients:
+                continue
+            per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
+            for recipient in recipients:
+                valid, problem = _valid_prefixes(donor, recipient, bundles(recipient, idle))
+                if not valid:
+                    candidates.append(
+                        _rejected(donor, recipient, idle, problem or "no whole workers to move")
+                    )
+                    continue
+                for prefix in _spread(valid, per_recipient):
+                    taken_back = math.ceil(sig.in_flight * len(prefix) / max(len(donor.workers), 1))
+                    move = _Move(donor, recipient, devices_of(prefix), prefix)
+                    candidates.append(self._score(model, base, move, signals, requests_taken_back=taken_back))
+        return self._choose(
+            candidates,
+            Reason.DONOR_LOW_UTILISATION,
+            lambda c: self._shrink_detail(c, signals, now),
+            graph,
+            now,
+        )
+
+    def _best_rebalance(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        base: float,
+        busy: set[str],
+        now: float,
+    ) -> tuple[Decision | None, list[Candidate]]:
+        """Pace rebalancing: when no group is idle enough for Algorithm 1 but the pace model
+        shows one stage holding the job back (e.g. a rollout that fell behind in asynchronous
+        RL, or a trainer whose input piles up), a group with slack gives it workers, its least
+        used first. Only a predicted gain of ``rebalance_gain_ratio`` sustained for
+        ``sustain_s`` moves anything: these donors are working."""
+        threshold = self.param_float("rebalance_gain_ratio")
+        if threshold <= 0:
+            self._rebalance_since.clear()
+            return None, []
+        candidates: list[Candidate] = []
+        # Only a rollout with requests waiting for a slot is short of capacity for certain: the
+        # pipeline's groups trade GPUs through Algorithm 1 as they go idle.
+        recipients = [
+            n for n in self._recipients(graph, signals, model, busy, now) if n.kind is ComponentKind.ROLLOUT
+        ]
+        per_pair = max(1, self.param_int("max_candidates") // max(1, len(recipients)))
+        for recipient in recipients:
+            for donor in graph.nodes:
+                if donor.id == recipient.id or model.gpus.get(donor.id, 0) <= 0 or donor.id in busy:
+                    continue
+                sig = signals.get(donor.id)
+                if sig is None or not movable_at_runtime(donor) or not self.cooldowns.ready(donor.id, now):
+                    continue
+                if sig.queue_length > 0 and donor.kind is recipient.kind:
+                    continue
+                offered = _least_used_first(donor, sig)
+                valid, _ = _valid_prefixes(donor, recipient, bundles(recipient, offered))
+                for prefix in _spread(valid, per_pair):
+                    taken_back = math.ceil(sig.in_flight * len(prefix) / max(len(donor.workers), 1))
+                    move = _Move(donor, recipient, devices_of(prefix), prefix)
+                    candidate = self._score(model, base, move, signals, requests_taken_back=taken_back)
+                    prediction = candidate.prediction
+                    if (
+                        candidate.rejected_because is None
+                        and prediction is not None
+                        and prediction.job_before > 0
+                        and prediction.gain / prediction.job_before < threshold
+                    ):
+                        candidate = replace(
+                            candidate,
+                            rejected_because=f"a working donor needs a predicted gain of {threshold:.0%}",
+                        )
+                    candidates.append(candidate)
+        viable = {f"{c.donor}>{c.recipient}" for c in candidates if c.rejected_because is None}
+        for key in list(self._rebalance_since):
+            if key not in viable:
+                del self._rebalance_since[key]
+        ready: list[Candidate] = []
+        for candidate in candidates:
+            if candidate.rejected_because is not None:
+                ready.append(candidate)
+                continue
+            # No window vouches for an imbalance: it must be seen for sustain_s of ticks.
+            since = self._rebalance_since.setdefault(f"{candidate.donor}>{candidate.recipient}", now)
+            if now - since + 1e-9 < self.param_float("sustain_s"):
+                candidate = replace(
+                    candidate, rejected_because="the imbalance has not held for sustain_s yet"
+                )
+            ready.append(candidate)
+        decision, marked = self._choose(
+            ready,
+            Reason.BORROW_IDLE_POOL,
+            lambda c: self._rebalance_detail(c),
+            graph,
+            now,
+        )
+        if decision is not None:
+            self._rebalance_since.clear()
+        return decision, marked
+
+    @staticmethod
+    def _rebalance_detail(chosen: Candidate) -> str:
+        gain = ""
+        if chosen.prediction is not None and chosen.prediction.job_before > 0:
+            gain = f" (predicted job throughput {chosen.prediction.job_after / chosen.prediction.job_before - 1:+.0%})"
+        return f"{chosen.recipient} paces the job: {len(chosen.device_ids)} GPUs of {chosen.donor}{gain}"
+
+    def _shrink_detail(self, chosen: Candidate, signals: Mapping[str, GroupSignals], now: float) -> str:
+        assert chosen.donor is not None
+        sig = signals[chosen.donor]
+        share = f"{sig.low_utilisation_fraction:.0%} of {chosen.donor}'s workers under u_low={self.u_low}"
+        if not sig.busy:
+            share = f"{chosen.donor} has nothing to do"
+        predicted = ""
+        if chosen.prediction is not None and chosen.prediction.job_before > 0:
+            predicted = f" (predicted job throughput {chosen.prediction.job_after / chosen.prediction.job_before - 1:+.0%})"
+        return (
+            f"{share} for {self._sustained_s(chosen.donor, sig, now):.0f}s: "
+            f"{len(chosen.device_ids)} GPUs to {chosen.recipient}{predicted}"
+        )
+
+    def _home_before_next_batch(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        busy: set[str],
+        now: float,
+    ) -> Decision | None:
+        """Once a synchronous rollout has finished its batch, GPUs it lent to a group that has
+        finished its share of the iteration and idles go home at once: the next batch comes with the next iteration, and
+        engines already up take it in one wave instead of leaving it to the few that stayed."""
+        if not self._synchronous(model) or not self.memory.batch_done:
+            return None
+        for loan in sorted(self.loans.loans, key=lambda item: (item.lender, item.borrower)):
+            lender_id, borrower_id = loan.lender, loan.borrower
+            if lender_id not in model.rollout_ids or lender_id in busy or borrower_id in busy:
+                continue
+            sig = signals.get(borrower_id)
+            # Done with this iteration's work (not merely between two pieces of it) and idle.
+            if sig is None or sig.progress < 1.0 or borrower_id not in self._low_since:
+                continue
+            if self._sustained_s(borrower_id, sig, now) + 1e-9 < self.param_float("sustain_s"):
+                continue
+            for move in self.loans.return_moves(graph, lender=lender_id, borrower=borrower_id):
+                if not movable_at_runtime(move.borrower):
+                    continue
+                return make_decision(
+                    self.name,
+                    Reason.RETURN_BORROWED,
+                    f"{lender_id} finished its batch and {borrower_id} is idle: {len(move.devices)} "
+                    f"borrowed GPUs go home before the next batch",
+                    donor=move.borrower,
+                    recipient=move.lender,
+                    device_ids=[d.id for d in move.devices],
+                    at=now,
+                )
+        return None
+
+    def _best_return(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        base: float,
+        busy: set[str],
+        now: float,
+    ) -> Decision | None:
+        """Borrowed GPUs go back when their group has work queued again and the pace model says
+        the job gains from it (the lender has become the bottleneck)."""
+        best: tuple[Candidate, HyperNode, HyperNode] | None = None
+        for lender_id in sorted({loan.lender for loan in self.loans.loans}):
+            sig = signals.get(lender_id)
+            if sig is None or lender_id in busy or sig.queue_length <= 0:
+                continue
+            try:
+                lender = graph.node(lender_id)
+            except KeyError:
+                continue
+            for move in self.loans.return_moves(graph, lender=lender_id):
+                if move.borrower.id in busy:
+                    continue
+                candidate = self._score(
+                    model, base, _Move(move.borrower, lender, move.devices, move.workers), signals
+                )
+                if candidate.rejected_because is None and (best is None or candidate.score > best[0].score):
+                    best = (candidate, move.borrower, lender)
+        if best is None:
+            return None
+        candidate, borrower, lender = best
+        return make_decision(
+            self.name,
+            Reason.RETURN_BORROWED,
+            f"{lender.id} has work again (queue {signals[lender.id].queue_length}) and is the bottleneck: "
+            f"{borrower.id} returns {len(candidate.device_ids)} GPUs",
+            donor=borrower,
+            recipient=lender,
+            device_ids=candidate.device_ids,
+            at=now,
+            chosen=candidate,
+            candidates=[candidate],
         )
 
     def _grow_into_free(
         self,
         graph: Hypergraph,
-        model: _JobModel,
         signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        base: float,
         free_devices: Sequence[Device],
         busy: set[str],
         now: float,
     ) -> tuple[Decision | None, list[Candidate]]:
         candidates: list[Candidate] = []
-        for recipient in self._bottlenecks(graph, model, signals, busy, now)[:1]:
+        for recipient in self._recipients(graph, signals, model, busy, now)[:1]:
             steps = valid_growth_steps(recipient, len(free_devices))
             for gpus in _spread(steps, self.param_int("max_candidates")):
                 devices = pick_free_devices(recipient, free_devices, gpus)
@@ -508,113 +789,13 @@ class DynaRLPolicy(BasePolicy):
                         Candidate(None, recipient.id, tuple(d.id for d in devices), None, 0.0, 0.0, problem)
                     )
                     continue
-                prediction = Prediction(
-                    donor_before=0.0,
-                    donor_after=0.0,
-                    recipient_before=self.predictor.predict(recipient.id, recipient.kind, recipient.gpus),
-                    recipient_after=self.predictor.predict(
-                        recipient.id, recipient.kind, recipient.gpus + gpus
-                    ),
-                    job_before=model.rate(),
-                    job_after=model.rate({recipient.id: recipient.gpus + gpus}),
-                )
-                cost_s = migration_cost_s(self.cost_model, None, recipient, gpus)
-                horizon_s = self._horizon_s(recipient, signals, now)
-                candidates.append(self._scored(None, recipient, devices, prediction, cost_s, horizon_s))
+                candidates.append(self._score(model, base, _Move(None, recipient, devices), signals))
         return self._choose(
             candidates,
             Reason.GROW_INTO_FREE_DEVICES,
             lambda c: f"{len(c.device_ids)} free GPUs to the bottleneck {c.recipient}",
             graph,
             now,
-        )
-
-    def _returns_to_working_groups(
-        self, graph: Hypergraph, signals: Mapping[str, GroupSignals], busy: set[str], now: float
-    ) -> list[Decision]:
-        """Borrowed GPUs go back as soon as their group has work again and is the bottleneck: a
-        dynamic group once it is no longer drained and requests queue up for it (the pipeline
-        waits on it), a static one as soon as it has anything to do."""
-        tails = self._tails(graph, signals)
-        decisions = []
-        lenders = sorted({loan.lender for loan in self.loans.loans})
-        for lender_id in lenders:
-            sig = signals.get(lender_id)
-            if sig is None or lender_id in busy:
-                continue
-            try:
-                lender = graph.node(lender_id)
-            except KeyError:
-                continue
-            if lender.is_dynamic:
-                # A drained group's few remaining workers look busy: only queued requests count.
-                if lender_id in tails or not sig.busy or sig.queue_length <= 0:
-                    continue
-            elif not (sig.queue_length > 0 or (sig.busy and sig.in_flight > 0)):
-                continue  # an idle static lender takes its GPUs back as soon as it has work
-            for move in self.loans.return_moves(graph, lender=lender_id):
-                if move.borrower.id in busy:
-                    continue
-                devices = move.devices
-                decisions.append(
-                    make_decision(
-                        self.name,
-                        Reason.RETURN_BORROWED,
-                        f"{lender_id} has work again (queue {sig.queue_length}) and is the bottleneck: "
-                        f"{move.borrower.id} returns {len(devices)} GPUs",
-                        donor=move.borrower,
-                        recipient=lender,
-                        device_ids=[d.id for d in devices],
-                        at=now,
-                    )
-                )
-                self.loans.settle(lender_id, move.borrower.id, [d.id for d in devices])
-                graph = apply_move(graph, move.borrower.id, lender_id, devices)
-                busy.update((move.borrower.id, lender_id))
-        return decisions
-
-    # -- scoring ------------------------------------------------------------------------------
-
-    def _rejected(
-        self, donor: HyperNode, recipient: HyperNode | None, workers: Sequence[Worker], why: str
-    ) -> Candidate:
-        return Candidate(
-            donor=donor.id,
-            recipient=recipient.id if recipient else None,
-            device_ids=tuple(d.id for d in devices_of(workers)),
-            prediction=None,
-            migration_cost_s=0.0,
-            score=0.0,
-            rejected_because=why,
-        )
-
-    def _scored(
-        self,
-        donor: HyperNode | None,
-        recipient: HyperNode,
-        devices: Sequence[Device],
-        prediction: Prediction,
-        cost_s: float,
-        horizon_s: float,
-    ) -> Candidate:
-        """Score = tokens gained over the horizon after the switch, minus tokens lost while the
-        job switches (the whole job waits for the move, conservatively)."""
-        gain = prediction.gain
-        score = gain * max(0.0, horizon_s - cost_s) - prediction.job_before * cost_s
-        why = None
-        ratio = gain / prediction.job_before if prediction.job_before > 0 else math.inf if gain > 0 else 0.0
-        if ratio < self.param_float("min_gain_ratio"):
-            why = f"predicted job gain {ratio:.1%} is under min_gain_ratio {self.param_float('min_gain_ratio'):.1%}"
-        elif score <= 0:
-            why = f"migration cost {cost_s:.2f}s outweighs the predicted gain over {horizon_s:.0f}s"
-        return Candidate(
-            donor=donor.id if donor else None,
-            recipient=recipient.id,
-            device_ids=tuple(d.id for d in devices),
-            prediction=prediction,
-            migration_cost_s=cost_s,
-            score=score,
-            rejected_because=why,
         )
 
     def _choose(
@@ -648,36 +829,66 @@ class DynaRLPolicy(BasePolicy):
         )
         return decision, marked
 
-    @staticmethod
-    def _after(graph: Hypergraph, decision: Decision) -> Hypergraph:
-        all_devices = {d.id: d for n in graph.nodes for w in n.workers for d in w.devices}
-        devices = [all_devices[d] for d in decision.device_ids if d in all_devices]
-        return apply_move(graph, decision.donor, decision.recipient, devices)
+    # -- state ---------------------------------------------------------------------------------
 
     def state_to_json(self) -> dict[str, Any]:
         return {
             **super().state_to_json(),
             "low_since": dict(self._low_since),
-            "drained": sorted(self._drained),
-            "last_progress": dict(self._last_progress),
+            "rebalance_since": dict(self._rebalance_since),
+            "pace": self.memory.to_json(),
         }
 
     def load_state(self, data: Mapping[str, Any]) -> None:
         super().load_state(data)
         self._low_since = {k: float(v) for k, v in data.get("low_since", {}).items()}
-        self._drained = set(data.get("drained", []))
-        self._last_progress = {k: float(v) for k, v in data.get("last_progress", {}).items()}
+        self._rebalance_since = {k: float(v) for k, v in data.get("rebalance_since", {}).items()}
+        self.memory = PaceMemory()
+        self.memory.load(data.get("pace", {}))
 
 
-def _needed_workers(node: HyperNode, sig: GroupSignals) -> int:
-    """Workers a serving group needs for the requests it still has."""
-    outstanding = sig.in_flight + sig.queue_length
-    if sig.max_in_flight_per_worker > 0:
-        return math.ceil(outstanding / sig.max_in_flight_per_worker)
-    if outstanding <= 0 and not sig.busy:
-        return 0
-    idle = len(set(sig.low_utilisation_workers) & {w.id for w in node.workers})
-    return max(1, len(node.workers) - idle) if (outstanding > 0 or sig.busy) else 0
+def _smallest_valid_gpus(node: HyperNode) -> int:
+    """GPUs of the group's smallest valid worker count (at least its minimum, at least one)."""
+    workers = max(1, node.min_workers)
+    limit = len(node.workers) if node.workers else workers
+    while workers <= limit and not node.is_valid_worker_count(workers):
+        workers += 1
+    if workers > limit:
+        return node.gpus
+    return largest_valid_gpus(node, workers * node.parallelism.gpus_per_worker)
+
+
+def _has_work_waiting(node: HyperNode, sig: GroupSignals, u_low: float) -> bool:
+    """Whether more GPUs would be used at once: requests or data queued for the group, or, for a
+    static group (the trainer, whose throughput grows with its GPUs), work running on workers
+    that are not idle."""
+    if sig.queue_length > 0:
+        return True
+    return not node.is_dynamic and sig.in_flight > 0 and sig.utilisation_p50 >= u_low
+
+
+def _least_used_first(node: HyperNode, sig: GroupSignals) -> list[Worker]:
+    """The group's workers, those the window saw under U_low first (lowest first), then the rest
+    by their latest utilisation."""
+    by_id = {w.id: w for w in node.workers}
+    low = [by_id[w] for w in sig.low_utilisation_workers if w in by_id]
+    seen = {w.id for w in low}
+    rest = sorted((w for w in node.workers if w.id not in seen), key=lambda w: (w.utilisation, w.id))
+    return low + rest
+
+
+def _rejected(
+    donor: HyperNode, recipient: HyperNode | None, workers: Sequence[Worker], why: str
+) -> Candidate:
+    return Candidate(
+        donor=donor.id,
+        recipient=recipient.id if recipient else None,
+        device_ids=tuple(d.id for d in devices_of(workers)),
+        prediction=None,
+        migration_cost_s=0.0,
+        score=0.0,
+        rejected_because=why,
+    )
 
 
 def _valid_prefixes(
