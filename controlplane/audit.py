@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextvars
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction
 from django.db import models
 from django.http import HttpRequest, HttpResponse
+from django.utils.decorators import sync_and_async_middleware
 
 from controlplane.models import ActorType, AuditEvent
 
@@ -73,20 +75,38 @@ def record(
     )
 
 
-class RequestIdMiddleware:
+def _request_id_for(request: HttpRequest) -> str:
+    incoming = request.headers.get(REQUEST_ID_HEADER, "")
+    return incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else uuid.uuid4().hex
+
+
+@sync_and_async_middleware
+def RequestIdMiddleware(get_response: Any) -> Any:
     """Tags each request with an id (the caller's X-Request-ID or a new one), returned as a header
-    and written on every audit event the request causes."""
+    and written on every audit event the request causes. Async-capable, so long-polling agent
+    requests do not each hold a thread."""
+    if iscoroutinefunction(get_response):
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
+        async def middleware(request: HttpRequest) -> HttpResponse:
+            request_id = _request_id_for(request)
+            token = _request_id.set(request_id)
+            try:
+                response = await get_response(request)
+            finally:
+                _request_id.reset(token)
+            response[REQUEST_ID_HEADER] = request_id
+            return response  # type: ignore[no-any-return]
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        incoming = request.headers.get(REQUEST_ID_HEADER, "")
-        request_id = incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else uuid.uuid4().hex
-        token = _request_id.set(request_id)
-        try:
-            response = self.get_response(request)
-        finally:
-            _request_id.reset(token)
-        response[REQUEST_ID_HEADER] = request_id
-        return response
+    else:
+
+        def middleware(request: HttpRequest) -> HttpResponse:  # type: ignore[misc]
+            request_id = _request_id_for(request)
+            token = _request_id.set(request_id)
+            try:
+                response = get_response(request)
+            finally:
+                _request_id.reset(token)
+            response[REQUEST_ID_HEADER] = request_id
+            return response  # type: ignore[no-any-return]
+
+    return middleware
