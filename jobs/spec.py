@@ -1100,7 +1100,7 @@ def _check_policy(
     from scheduler.core.costs import MigrationCostModel
     from scheduler.core.predictor import ThroughputPredictor
 
-    # Only the parameters are being checked; a placeholder size stands in for a bad model size.
+    # Only the parameters are being checked; a nominal size stands in for an invalid model size.
     cost_model = MigrationCostModel(model_params_b=model_params_b if model_params_b is not None else 1.0)
     build = registry.build
 
