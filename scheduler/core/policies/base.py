@@ -7,9 +7,16 @@ from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
 from scheduler.core.costs import MigrationCostModel
-from scheduler.core.decisions import Decision
+from scheduler.core.decisions import Decision, Reason
 from scheduler.core.hypergraph import Device, Hypergraph, HyperNode
-from scheduler.core.policies.moves import Cooldowns, IterationClock, LoanBook, PendingMoves
+from scheduler.core.policies.moves import (
+    Cooldowns,
+    IterationClock,
+    LoanBook,
+    PendingMoves,
+    make_decision,
+    movable_between_iterations,
+)
 from scheduler.core.policies.params import ParamSpec, ParamValue, resolve_params
 from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signals import GroupSignals
@@ -118,6 +125,28 @@ class BasePolicy:
             self.pending.add(decision)
             self.cooldowns.mark((decision.donor, decision.recipient), now)
         return list(decisions)
+
+    def _return_loans(self, graph: Hypergraph, now: float) -> list[Decision]:
+        """At an iteration boundary, every loan whose groups may move between iterations goes home."""
+        decisions = []
+        for move in self.loans.return_moves(graph):
+            if not movable_between_iterations(move.borrower) or not movable_between_iterations(move.lender):
+                continue
+            device_ids = [d.id for d in move.devices]
+            decisions.append(
+                make_decision(
+                    self.name,
+                    Reason.RETURN_BORROWED,
+                    f"iteration {graph.iteration} ended: {move.borrower.id} returns {len(device_ids)} "
+                    f"borrowed GPUs to {move.lender.id}",
+                    donor=move.borrower,
+                    recipient=move.lender,
+                    device_ids=device_ids,
+                    at=now,
+                )
+            )
+            self.loans.settle(move.lender.id, move.borrower.id, device_ids)
+        return decisions
 
     def state_to_json(self) -> dict[str, Any]:
         return {

@@ -17,7 +17,6 @@ from scheduler.core.policies.moves import (
     make_decision,
     migration_cost_s,
     movable_at_runtime,
-    movable_between_iterations,
 )
 from scheduler.core.policies.params import ParamSpec
 from scheduler.core.predictor import ThroughputPredictor
@@ -246,25 +245,7 @@ class BidirectionalPolicy(BasePolicy):
 
     def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
         self._sync(graph, now)
-        decisions = []
-        for move in self.loans.return_moves(graph):
-            if not movable_between_iterations(move.borrower) or not movable_between_iterations(move.lender):
-                continue
-            devices = move.devices
-            decisions.append(
-                make_decision(
-                    self.name,
-                    Reason.RETURN_BORROWED,
-                    f"iteration {graph.iteration} ended: {move.borrower.id} returns {len(devices)} GPUs "
-                    f"to {move.lender.id}",
-                    donor=move.borrower,
-                    recipient=move.lender,
-                    device_ids=[d.id for d in devices],
-                    at=now,
-                )
-            )
-            self.loans.settle(move.lender.id, move.borrower.id, [d.id for d in devices])
-        return self._issued(decisions, now)
+        return self._issued(self._return_loans(graph, now), now)
 
     # -- pieces ------------------------------------------------------------------------------
 

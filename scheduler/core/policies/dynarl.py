@@ -16,7 +16,6 @@ from scheduler.core.policies.moves import (
     make_decision,
     migration_cost_s,
     movable_at_runtime,
-    movable_between_iterations,
     pick_free_devices,
     receive_problem,
     release_problem,
@@ -289,25 +288,7 @@ class DynaRLPolicy(BasePolicy):
         self._low_since.clear()
         if self.memory.generating_ahead(graph.iteration):
             return []
-        decisions = []
-        for move in self.loans.return_moves(graph):
-            if not movable_between_iterations(move.borrower) or not movable_between_iterations(move.lender):
-                continue
-            devices = move.devices
-            decisions.append(
-                make_decision(
-                    self.name,
-                    Reason.RETURN_BORROWED,
-                    f"iteration {graph.iteration} ended: {move.borrower.id} returns {len(devices)} "
-                    f"borrowed GPUs to {move.lender.id}",
-                    donor=move.borrower,
-                    recipient=move.lender,
-                    device_ids=[d.id for d in devices],
-                    at=now,
-                )
-            )
-            self.loans.settle(move.lender.id, move.borrower.id, [d.id for d in devices])
-        return self._issued(decisions, now)
+        return self._issued(self._return_loans(graph, now), now)
 
     # -- triggers ------------------------------------------------------------------------------
 
