@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test lint pytest bench install clean-data
+.PHONY: run test lint pytest bench install clean-data browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,14 @@ run: $(INSTALLED)
 test: export DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/dynarl
 test: export REDIS_URL ?= redis://127.0.0.1:6379/9
 test: export SECRET_KEY ?= test-only-secret-key
-test: $(INSTALLED) lint pytest
+test: $(INSTALLED) browser lint pytest
+
+# The dashboard's browser tests drive Debian's Chromium through Playwright.
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends chromium >/dev/null; }
+	@test -x $(CHROMIUM) || { echo "Chromium not found at $(CHROMIUM); install Debian's chromium package"; exit 1; }
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
