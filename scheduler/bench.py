@@ -6,7 +6,9 @@
 
 Per workload and policy: tokens/s, the ratio to the two static baselines (static-colocated, the
 verl-like one, and static-disaggregated, the RLinf-like one), the share of the oracle bound,
-migrations, online overhead and the wall time of ``decide``. Then the DataRouter priority vs FIFO
+migrations, online overhead and the wall time of ``decide``; where each run's GPU-time went (the
+rollout decoding, its partly idle and empty engines, log-prob and trainer workers busy or idle,
+migrations and colocated switches). Then the DataRouter priority vs FIFO
 comparison on agentic workloads, a U_low sweep of dynarl, and dynarl's decision latency on a
 synthetic 1,024-GPU, 64-group job. Virtual time makes every number except the decision
 latencies a pure function of the flags.
@@ -233,6 +235,7 @@ def render(report: dict[str, Any]) -> str:
         "Oracle bound (tokens/s): "
         + ", ".join(f"{k} {v['tokens_per_s']:,.0f}" for k, v in report["oracles"].items())
     )
+    lines += _gpu_time_lines(report)
     router = [r for r in report["runs"] if r["variant"].startswith("router=")]
     if router:
         lines += ["", "## DataRouter: priority vs FIFO (agentic)", ""]
@@ -291,6 +294,39 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"error: {report['latency_error']}")
     lines += ["", "## Targets", ""] + [f"- {line}" for line in targets(report)]
     return "\n".join(lines)
+
+
+# Columns of the GPU-time table: (heading, the kinds of SimResult.gpu_seconds it sums).
+GPU_TIME_COLUMNS = (
+    ("rollout decoding", ("rollout_decoding",)),
+    ("rollout partly idle", ("rollout_partly_idle",)),
+    ("rollout empty", ("rollout_empty",)),
+    ("log-probs busy", ("log_prob_busy",)),
+    ("log-probs idle", ("log_prob_idle",)),
+    ("trainer busy", ("trainer_busy",)),
+    ("trainer idle", ("trainer_idle",)),
+    ("moving / switching / free", ("in_migration", "colocated_switch", "free")),
+)
+
+
+def _gpu_time_lines(report: dict[str, Any]) -> list[str]:
+    """Where each main run's GPU-time went, as shares of all GPU-seconds of the run."""
+    runs = [r for r in report["runs"] if not r["variant"] and r["result"] and r["result"].get("gpu_seconds")]
+    if not runs:
+        return []
+    lines = ["", "## Where the GPU-time goes", ""]
+    lines.append("| workload | policy | " + " | ".join(h for h, _ in GPU_TIME_COLUMNS) + " |")
+    lines.append("| --- | --- | " + " | ".join("---:" for _ in GPU_TIME_COLUMNS) + " |")
+    for run in runs:
+        spent = run["result"]["gpu_seconds"]
+        total = sum(spent.values())
+        if total <= 0:
+            continue
+        shares = [sum(spent.get(k, 0.0) for k in kinds) / total for _, kinds in GPU_TIME_COLUMNS]
+        lines.append(
+            f"| {run['workload']} | {run['policy']} | " + " | ".join(f"{100 * x:.0f}%" for x in shares) + " |"
+        )
+    return lines
 
 
 def targets(report: dict[str, Any]) -> list[str]:

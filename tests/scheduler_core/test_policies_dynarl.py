@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -551,3 +552,73 @@ def _decision_moving(donor: str, recipient: str, device_ids: list[str]) -> Any:
         donor_strategy=None,
         recipient_strategy=None,
     )
+
+
+# -- pooled moves ------------------------------------------------------------------------------
+
+
+def finished_stages() -> tuple[Hypergraph, dict[str, GroupSignals]]:
+    """A synchronous iteration after its rollout and log-probs are done: both groups idle and
+    allowed to give up every worker; the trainer (8 ranks, powers of two only) has half its
+    iteration left and mini-batches ready."""
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),
+        make_group("inference", INFERENCE, 4, first_device=20, min_workers=0, depends_on=("rollout",)),
+        make_group(
+            "actor",
+            ACTOR,
+            8,
+            first_device=40,
+            depends_on=("inference",),
+            parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
+        ),
+    )
+    done = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
+    signals = {
+        "rollout": make_signals(graph.node("rollout"), idle=4, max_in_flight_per_worker=64, **done),
+        "inference": make_signals(graph.node("inference"), idle=4, **done),
+        "actor": make_signals(graph.node("actor"), queue_length=3, in_flight=1, progress=0.5),
+    }
+    return graph, signals
+
+
+def test_drained_groups_pool_their_gpus_when_no_single_one_reaches_a_valid_trainer_size():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    # 8 -> 16 ranks takes the 4 GPUs of both groups; either alone leaves 12 ranks.
+    assert first.reason is Reason.DONOR_LOW_UTILISATION and first.recipient == "actor"
+    assert "pool" in first.detail
+    chosen = first.chosen
+    assert chosen is not None and len(chosen.device_ids) == 8
+    assert chosen.prediction is not None and chosen.prediction.job_after > chosen.prediction.job_before
+    assert len(first.device_ids) == 4 and set(first.device_ids) < set(chosen.device_ids)
+    assert all(c.rejected_because for c in first.candidates if len(c.device_ids) == 4)
+    # One migration at a time: the next leg waits until the first has landed...
+    assert policy.decide(graph, signals, [], now=91.0) == []
+    graph = land(graph, [first])
+    [second] = policy.decide(graph, signals, [], now=92.0)
+    assert {first.donor, second.donor} == {"rollout", "inference"}
+    assert second.recipient == "actor"
+    assert set(first.device_ids) | set(second.device_ids) == set(chosen.device_ids)
+    graph = land(graph, [second])
+    assert len(graph.node("actor").workers) == 16
+    # ...and every GPU is owed to its group, to come back at the iteration's end.
+    back = policy.on_iteration_end(replace(graph, iteration=1), now=120.0)
+    assert sorted((d.recipient, len(d.device_ids)) for d in back) == [("inference", 4), ("rollout", 4)]
+
+
+def test_a_pooled_move_survives_a_restart_of_the_policy_and_is_dropped_when_its_gpus_move_away():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    graph = land(graph, [first])
+    restarted = policy_with(json.loads(json.dumps(policy.state_to_json())))
+    [second] = restarted.decide(graph, signals, [], now=92.0)
+    assert second.donor != first.donor and second.recipient == "actor"
+    # Had the second donor's GPUs gone elsewhere meanwhile (released to the free pool), the
+    # rest of the plan is dropped instead of asking for devices the donor no longer holds.
+    other = policy_with(json.loads(json.dumps(policy.state_to_json())))
+    released = land(graph, [replace(second, recipient=None)])
+    assert other.decide(released, signals, [], now=92.0) == []
+    assert other.state_to_json()["plan"] == []

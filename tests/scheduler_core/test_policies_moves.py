@@ -18,6 +18,7 @@ from tests.scheduler_core.test_policies_fixtures import make_graph, make_group
 
 ROLLOUT = ComponentKind.ROLLOUT
 ACTOR = ComponentKind.ACTOR
+INFERENCE = ComponentKind.INFERENCE
 
 
 def test_release_and_receive_problems_name_the_constraint():
@@ -174,3 +175,24 @@ def test_passing_on_borrowed_gpus_keeps_them_owed_to_their_lender():
     book.pass_on("inference", "actor", ["a1"], at=6.0)  # back home: settled
     owed = {(loan.lender, loan.borrower): set(loan.device_ids) for loan in book.loans}
     assert owed[("actor", "inference")] == {"a2"}
+
+
+def test_loans_come_back_largest_debt_first_and_in_passes_until_nothing_more_can():
+    # A trainer of 16 ranks (powers of two only) owing 8 to the rollout and 4 to the log-prob
+    # group: giving the 4 back first would leave 12 ranks, so the 8 go first (16 -> 8), then
+    # the 4 (8 -> 4). Both groups gave everything (a synchronous job between batches).
+    powers = Parallelism(valid_dp=(1, 2, 4, 8, 16))
+    rollout = make_group("rollout", ROLLOUT, 8, first_device=0, min_workers=0)
+    inference = make_group("inference", INFERENCE, 4, first_device=20, min_workers=0)
+    graph = make_graph(rollout, inference, make_group("actor", ACTOR, 4, first_device=40, parallelism=powers))
+    book = LoanBook()
+    for lender in (rollout, inference):
+        devices = [d for w in lender.workers for d in w.devices]
+        book.lend(lender.id, "actor", [d.id for d in devices], at=0.0)
+        graph = apply_move(graph, lender.id, "actor", devices)
+    assert len(graph.node("actor").workers) == 16 and not graph.node("rollout").workers
+    moves = book.return_moves(graph)
+    assert [(m.lender.id, len(m.devices)) for m in moves] == [("rollout", 8), ("inference", 4)]
+    for m in moves:
+        graph = apply_move(graph, "actor", m.lender.id, m.devices)
+    assert {n.id: len(n.workers) for n in graph.nodes} == {"rollout": 8, "inference": 4, "actor": 4}

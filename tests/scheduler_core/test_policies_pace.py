@@ -291,3 +291,38 @@ def test_the_rollout_view_counts_episodes_in_tool_calls():
     signals["tool"] = make_signals(tool, in_flight=30)
     folded = rollout_view(graph, signals)
     assert folded is not None and folded.in_tools == 30 and folded.in_flight == 10
+
+
+def test_a_group_done_with_its_share_of_the_iteration_may_give_up_every_gpu():
+    graph = job(inference=4)
+    memory = PaceMemory()
+    memory.batches_started = 1
+    memory.previous_trained_tokens = 100_000.0
+    memory.batch_done = True  # the rollout's batch is finished
+    signals = tick(graph, progress=1.0, in_flight=0)
+    signals["inference"] = make_signals(graph.node("inference"), busy=False, progress=1.0)
+    signals["actor"] = make_signals(graph.node("actor"), queue_length=2, in_flight=1, progress=0.5)
+    model = model_for(graph, signals, memory, now=100.0)
+    base = model.finish_s()
+    # 500 GPU-seconds of training left on 4 GPUs; on 16 when both finished groups give theirs.
+    assert base == pytest.approx(100.0 + 500.0 / 4)
+    assert model.finish_s({"rollout": 0, "inference": 0, "actor": 16}) == pytest.approx(100.0 + 500.0 / 16)
+    # A log-prob group with work left cannot.
+    signals["inference"] = make_signals(graph.node("inference"), queue_length=3, in_flight=4, progress=0.5)
+    model = model_for(graph, signals, memory, now=100.0)
+    assert math.isinf(model.finish_s({"inference": 0, "actor": 8}))
+
+
+def test_an_empty_rollout_teaches_the_memory_nothing():
+    memory = PaceMemory()
+    graph = job()
+    memory.observe(graph, tick(graph, progress=0.0), now=1.0)
+    memory.observe(graph, tick(graph, progress=1.0, in_flight=0), now=41.0)
+    assert memory.batch_done and memory.batches_started == 1
+    # Every engine lent out: the group reports no progress, which is not a new batch.
+    empty = make_graph(
+        make_group("rollout", ROLLOUT, 0, first_device=0), make_group("actor", ACTOR, 12, first_device=50)
+    )
+    memory.observe(empty, tick(empty, progress=0.0, in_flight=0), now=45.0)
+    assert memory.batch_done and memory.batches_started == 1
+    assert not memory.generating_ahead(1)

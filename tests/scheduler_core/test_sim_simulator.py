@@ -319,3 +319,64 @@ def test_a_multi_turn_trace_replays_on_any_workload() -> None:
     result = simulate("math-tiny", "static-disaggregated", records=records)
     assert result.tokens == sum(r.total_tokens for r in records)
     assert result.generated_tokens == sum(r.generated_tokens for r in records)
+
+
+class LendFinishedRollout(ScriptedPolicy):
+    """Moves every engine to the trainer once the rollout's batch is done, and back at the
+    iteration's end (as a synchronous job's drained rollout may)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, lambda g, f: [])
+        self.lent: list[str] = []
+        self.refused: list[str] = []
+
+    def decide(
+        self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
+    ) -> list[Decision]:
+        super().decide(graph, signals, free, now)
+        rollout = graph.node(ROLLOUT)
+        if self.lent or not rollout.workers or signals[ROLLOUT].progress < 1.0:
+            return []
+        self.lent = list(rollout.device_ids)
+        return [move(ROLLOUT, ACTOR, self.lent)]
+
+    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+        lent, self.lent = self.lent, []
+        return [move(ACTOR, ROLLOUT, lent)] if lent else []
+
+
+def test_a_synchronous_rollout_may_give_up_every_engine_once_its_batch_is_done() -> None:
+    workload = get_workload("math-tiny")
+    policy = LendFinishedRollout()
+    simulation, result = scripted_run(workload, policy)
+    assert result.rejected_by_problem == {}
+    assert result.migrations >= 2 * (workload.iterations - 1)
+    assert any(graph.node(ROLLOUT).gpus == 0 for graph in policy.graphs)  # no engine left
+    assert result.tokens == expected_tokens(workload)[0]  # and every batch was still generated
+    assert sum(simulation.allocation().values()) == workload.gpus
+
+
+def test_an_asynchronous_rollout_keeps_an_engine_even_when_drained() -> None:
+    workload = get_workload("math-tiny-async")
+    _, result = scripted_run(workload, LendFinishedRollout())
+    assert any("without workers" in problem for problem in result.rejected_by_problem)
+    assert result.tokens == expected_tokens(workload)[0]
+
+
+@pytest.mark.parametrize("policy", ["static-colocated", "static-disaggregated", "dynarl"])
+def test_gpu_time_is_accounted_for_every_gpu_and_second(policy: str) -> None:
+    workload = get_workload("math-tiny")
+    result = simulate(workload, policy)
+    spent = result.gpu_seconds
+    total = sum(spent.values())
+    # Charged at every one-second tick: all GPUs, up to the last tick before the end.
+    assert workload.gpus * (result.makespan_s - 1.0) <= total <= workload.gpus * result.makespan_s + 1e-6
+    assert sum(sum(it.values()) for it in result.gpu_seconds_by_iteration) == pytest.approx(total)
+    assert len(result.gpu_seconds_by_iteration) == workload.iterations
+    assert spent["rollout_decoding"] > 0 and spent["trainer_busy"] > 0
+    if policy == "static-colocated":
+        assert spent["colocated_switch"] > 0 and spent["in_migration"] == 0
+    else:
+        assert spent["colocated_switch"] == 0
+    if result.migrations == 0:
+        assert spent["in_migration"] == 0

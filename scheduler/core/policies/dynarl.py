@@ -11,6 +11,7 @@ from scheduler.core.decisions import Candidate, Decision, Prediction, Reason
 from scheduler.core.hypergraph import ComponentKind, Device, Hypergraph, HyperNode, MigrationStrategy, Worker
 from scheduler.core.policies.base import BasePolicy, Placement
 from scheduler.core.policies.moves import (
+    PendingMove,
     bundles,
     devices_of,
     make_decision,
@@ -26,6 +27,8 @@ from scheduler.core.policies.params import ParamSpec
 from scheduler.core.signals import GroupSignals
 
 NOT_BEST = "a better candidate was chosen"
+# Drained groups whose idle workers a pooled move may combine (see ``_pooled_candidates``).
+POOL_MAX_DONORS = 2
 _T = TypeVar("_T")
 
 
@@ -55,7 +58,11 @@ class DynaRLPolicy(BasePolicy):
     the sizes both groups can run) go to a group with work waiting for it: the rollout with
     requests waiting for a slot, a log-prob group with a backlog, the trainer with ready
     mini-batches or one running (at most ``max_recipients``, the most pressed first;
-    ``max_candidates`` sizes per donor).
+    ``max_candidates`` sizes per donor). When several groups are drained at once, candidates
+    also pool their idle workers: a trainer whose valid data-parallel sizes are powers of two
+    may reach the next one only with the GPUs of a finished rollout and an idle log-prob group
+    together. A pooled move is weighed as a whole and carried out leg by leg, one migration at a
+    time, each leg as soon as the previous one has landed.
 
     Prediction (``pace.PaceModel``): when the work the rollout is generating will be trained,
     from the rollout's remaining tail (learned from the job's previous rollout batch), the
@@ -159,6 +166,7 @@ class DynaRLPolicy(BasePolicy):
         # Groups with queued work, ranked; computed once per tick (and per set of busy groups).
         self._recipient_cache: tuple[frozenset[str], list[HyperNode]] | None = None
         self.last_candidates: tuple[Candidate, ...] = ()
+        self._plan: list[PendingMove] = []  # legs of a pooled move still to issue, in order
 
     @property
     def u_low(self) -> float:
@@ -226,6 +234,14 @@ class DynaRLPolicy(BasePolicy):
         base = model.finish_s()
 
         considered: list[Candidate] = []
+        under_way, leg = self._next_leg(graph, busy, now)
+        if under_way:
+            self.last_candidates = ()
+            if leg is None:
+                return []  # the previous leg has not landed yet
+            if leg.donor is not None and leg.recipient is not None:
+                self.loans.pass_on(leg.donor, leg.recipient, leg.device_ids, now)
+            return self._issued([leg], now)
         decision = self._home_before_next_batch(graph, signals, model, busy, now)
         if decision is None:
             decision = self._best_return(graph, signals, model, base, busy, now)
@@ -286,6 +302,7 @@ class DynaRLPolicy(BasePolicy):
         already generating it (asynchronous RL): then the ticks weigh each return."""
         self._sync(graph, now)
         self._low_since.clear()
+        self._plan = []
         if self.memory.generating_ahead(graph.iteration):
             return []
         return self._issued(self._return_loans(graph, now), now)
@@ -421,40 +438,61 @@ class DynaRLPolicy(BasePolicy):
     ) -> Candidate:
         """Predicted gain of ``move``: how much earlier the pace model's end comes, net of the
         move's cost (its GPUs in transit, a trainer paused for a state transfer)."""
-        donor, recipient, gpus = move.donor, move.recipient, move.gpus
+        return self._score_legs(model, base, (move,), signals, (requests_taken_back,))
+
+    def _score_legs(
+        self,
+        model: PaceModel,
+        base: float,
+        legs: Sequence[_Move],
+        signals: Mapping[str, GroupSignals],
+        requests_taken_back: Sequence[int],
+    ) -> Candidate:
+        """``_score`` for moves from one or more donors to one recipient, carried out one after
+        the other (a pooled move): the gain of all of them landed, net of every leg's cost."""
+        recipient = legs[0].recipient
         held = model.gpus
-        changes = {recipient.id: held[recipient.id] + gpus}
-        if donor is not None:
-            changes[donor.id] = held[donor.id] - gpus
-        cost_s = migration_cost_s(
-            self.cost_model,
-            donor,
-            recipient,
-            gpus,
-            requests_taken_back=requests_taken_back,
-            donor_gpus=held[donor.id] if donor else None,
-            recipient_gpus=held[recipient.id],
-        )
-        lost = gpus * cost_s
-        for node, after in (
-            (donor, changes.get(donor.id, 0) if donor else 0),
-            (recipient, changes[recipient.id]),
-        ):
-            if node is not None and node.strategy is MigrationStrategy.P2P:
-                # The trainer pauses (create-before-destroy still needs a consistent state).
-                pause = self.cost_model.estimate_s(
-                    MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=max(after, 1)
-                )
-                lost += pause * model.effective_gpus(node, min(held[node.id], after))
+        changes = {recipient.id: held[recipient.id] + sum(leg.gpus for leg in legs)}
+        for leg in legs:
+            if leg.donor is not None:
+                changes[leg.donor.id] = held[leg.donor.id] - leg.gpus
+        lost = 0.0
+        cost_s = 0.0
+        recipient_gpus = held[recipient.id]
+        for leg, taken_back in zip(legs, requests_taken_back, strict=True):
+            donor = leg.donor
+            leg_s = migration_cost_s(
+                self.cost_model,
+                donor,
+                recipient,
+                leg.gpus,
+                requests_taken_back=taken_back,
+                donor_gpus=held[donor.id] if donor else None,
+                recipient_gpus=recipient_gpus,
+            )
+            cost_s += leg_s
+            lost += leg.gpus * leg_s
+            sizes = [(recipient, recipient_gpus, recipient_gpus + leg.gpus)]
+            if donor is not None:
+                sizes.append((donor, held[donor.id], held[donor.id] - leg.gpus))
+            for node, before, after in sizes:
+                if node.strategy is MigrationStrategy.P2P:
+                    # The trainer pauses (create-before-destroy still needs a consistent state).
+                    pause = self.cost_model.estimate_s(
+                        MigrationStrategy.P2P, gpus_moved=leg.gpus, recipient_gpus_after=max(after, 1)
+                    )
+                    lost += pause * model.effective_gpus(node, min(before, after))
+            recipient_gpus += leg.gpus
         arrival = cost_s if recipient.kind is ComponentKind.ROLLOUT else 0.0
         after_s = model.finish_s(changes, lost_gpu_s=lost, rollout_arrival_s=arrival)
-        if donor is not None and self._needs_back(donor, model):
-            # The GPUs will have to come back (the next batch of a synchronous rollout, the
-            # rest of an idle trainer's iteration): the move's cost is paid twice.
-            back_s = migration_cost_s(self.cost_model, recipient, donor, gpus)
-            after_s += gpus * back_s / max(1, model.total_gpus)
+        for leg in legs:
+            if leg.donor is not None and self._needs_back(leg.donor, model):
+                # The GPUs will have to come back (the next batch of a synchronous rollout, the
+                # rest of an idle trainer's iteration): the move's cost is paid twice.
+                back_s = migration_cost_s(self.cost_model, recipient, leg.donor, leg.gpus)
+                after_s += leg.gpus * back_s / max(1, model.total_gpus)
         gain = base - after_s
-        prediction = self._prediction(model, base, after_s, move, signals, changes)
+        prediction = self._prediction(model, base, after_s, legs[0], signals, changes)
         ratio = prediction.gain / prediction.job_before if prediction.job_before > 0 else 0.0
         why = None
         if not math.isfinite(after_s) or gain <= 0:
@@ -464,10 +502,11 @@ class DynaRLPolicy(BasePolicy):
                 f"predicted job gain {ratio:.1%} is under min_gain_ratio "
                 f"{self.param_float('min_gain_ratio'):.1%}"
             )
+        first = legs[0].donor
         return Candidate(
-            donor=donor.id if donor else None,
+            donor=first.id if first else None,
             recipient=recipient.id,
-            device_ids=tuple(d.id for d in move.devices),
+            device_ids=tuple(d.id for leg in legs for d in leg.devices),
             prediction=prediction,
             migration_cost_s=cost_s,
             score=gain if math.isfinite(gain) else -math.inf,
@@ -532,6 +571,9 @@ class DynaRLPolicy(BasePolicy):
         # GPUs a static group lent stay where they are until it takes them back: a trainer's
         # valid data-parallel sizes rarely survive collecting them back from several groups.
         pinned = self.loans.lent_by([n.id for n in graph.nodes if not n.is_dynamic])
+        offers: list[tuple[HyperNode, list[Worker]]] = []
+        single_reach: dict[str, int] = {}  # recipient -> most GPUs one donor can give it validly
+        bundled: dict[tuple[str, str], list[tuple[Worker, ...]]] = {}  # (donor, recipient) -> bundles
         for donor in self._donors(graph, signals, busy, now):
             sig = signals[donor.id]
             by_id: dict[str, Worker] = {w.id: w for w in donor.workers}
@@ -542,27 +584,161 @@ class DynaRLPolicy(BasePolicy):
             idle = [by_id[w] for w in offered_ids if not any(d.id in pinned for d in by_id[w].devices)]
             if not idle:
                 continue
+            offers.append((donor, idle))
             recipients = self._recipients(graph, signals, model, busy, now, exclude=donor.id)
             if not recipients:
                 continue
             per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
             for recipient in recipients:
-                valid, problem = _valid_prefixes(donor, recipient, bundles(recipient, idle))
+                offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, idle))
+                valid, problem = _valid_prefixes(donor, recipient, offered)
                 if not valid:
                     candidates.append(
                         _rejected(donor, recipient, idle, problem or "no whole workers to move")
                     )
                     continue
+                reach = sum(len(w.devices) for w in valid[-1])
+                single_reach[recipient.id] = max(single_reach.get(recipient.id, 0), reach)
                 for prefix in _spread(valid, per_recipient):
                     taken_back = math.ceil(sig.in_flight * len(prefix) / max(len(donor.workers), 1))
                     move = _Move(donor, recipient, devices_of(prefix), prefix)
                     candidates.append(self._score(model, base, move, signals, requests_taken_back=taken_back))
-        return self._choose(
+        pooled: dict[tuple[str, ...], list[_Move]] = {}
+        candidates.extend(
+            self._pooled_candidates(
+                offers, graph, signals, model, base, busy, now, pooled, single_reach, bundled
+            )
+        )
+        decision, marked = self._choose(
             candidates,
             Reason.DONOR_LOW_UTILISATION,
-            lambda c: self._shrink_detail(c, signals, now),
+            lambda c: self._shrink_detail(c, signals, now, pooled.get(c.device_ids)),
             graph,
             now,
+        )
+        if decision is not None and decision.chosen is not None and decision.chosen.device_ids in pooled:
+            decision = self._start_pooled(decision, pooled[decision.chosen.device_ids], now)
+        return decision, marked
+
+    def _pooled_candidates(
+        self,
+        offers: Sequence[tuple[HyperNode, list[Worker]]],
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        model: PaceModel,
+        base: float,
+        busy: set[str],
+        now: float,
+        legs_of: dict[tuple[str, ...], list[_Move]],
+        single_reach: Mapping[str, int],
+        bundled: dict[tuple[str, str], list[tuple[Worker, ...]]],
+    ) -> list[Candidate]:
+        """Shrink candidates that pool the idle workers of several donors: a recipient whose valid
+        sizes are far apart (a trainer's data-parallel sizes are powers of two) may reach the next
+        one only with GPUs from more than one drained group, e.g. a finished rollout's engines
+        and an idle log-prob group. The idle workers of the first ``POOL_MAX_DONORS`` donors are
+        taken in the donors' order, whole bundles at a time; a prefix is a candidate when it
+        spans two donors and leaves the recipient at a valid size larger than any single donor
+        can give it (``single_reach``): a smaller pooled move would only cost more migrations
+        than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
+        caches each (donor, recipient) pair's bundles."""
+        if len(offers) < 2:
+            return []
+        donors = {donor.id: donor for donor, _ in offers}
+        candidates: list[Candidate] = []
+        recipients = [
+            n for n in self._ranked_recipients(graph, signals, model, busy, now) if n.id not in donors
+        ][: self.param_int("max_recipients")]
+        for recipient in recipients:
+            per_worker = recipient.parallelism.gpus_per_worker
+            taken: dict[str, list[Worker]] = {}
+            unable: set[str] = set()  # donors that cannot give what is taken from them so far
+            gpus = 0
+            prefixes: list[dict[str, tuple[Worker, ...]]] = []
+            # Two donors at most: each is a migration of its own, carried out one after the other.
+            for donor, idle in offers[:POOL_MAX_DONORS]:
+                refused = False
+                offered = bundled.get((donor.id, recipient.id))
+                if offered is None:
+                    offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, idle))
+                for bundle in offered:
+                    if any(not recipient.accepts_hardware(d.hardware) for w in bundle for d in w.devices):
+                        refused = True
+                        break
+                    taken.setdefault(donor.id, []).extend(bundle)
+                    gpus += sum(len(w.devices) for w in bundle)
+                    after = len(recipient.workers) + gpus // per_worker
+                    if recipient.max_workers is not None and after > recipient.max_workers:
+                        refused = True
+                        break
+                    if release_problem(donor, len(taken[donor.id])) is None:
+                        unable.discard(donor.id)
+                    else:
+                        unable.add(donor.id)
+                    if len(taken) < 2 or unable or gpus <= single_reach.get(recipient.id, 0):
+                        continue
+                    if recipient.is_valid_worker_count(after):
+                        prefixes.append({g: tuple(ws) for g, ws in taken.items()})
+                if refused:
+                    break
+            per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
+            for prefix in _spread(prefixes, per_recipient):
+                legs = [_Move(donors[g], recipient, devices_of(ws), ws) for g, ws in prefix.items()]
+                taken_back = [
+                    math.ceil(
+                        signals[leg.donor.id].in_flight * len(leg.workers) / max(len(leg.donor.workers), 1)
+                    )
+                    for leg in legs
+                    if leg.donor is not None
+                ]
+                candidate = self._score_legs(model, base, legs, signals, taken_back)
+                legs_of[candidate.device_ids] = legs
+                candidates.append(candidate)
+        return candidates
+
+    def _start_pooled(self, decision: Decision, legs: Sequence[_Move], now: float) -> Decision:
+        """Issue a pooled move's first leg now; the others follow, one per tick, as each lands
+        (a job runs one migration at a time)."""
+        first, rest = legs[0], legs[1:]
+        self._plan = [
+            PendingMove(
+                leg.donor.id if leg.donor else None, leg.recipient.id, tuple(d.id for d in leg.devices), now
+            )
+            for leg in rest
+        ]
+        return replace(decision, device_ids=tuple(d.id for d in first.devices))
+
+    def _next_leg(self, graph: Hypergraph, busy: set[str], now: float) -> tuple[bool, Decision | None]:
+        """(whether a pooled move is under way, its next leg if it can go now). A plan is dropped
+        when its devices changed hands meanwhile or it outlived the pending-move timeout."""
+        if not self._plan:
+            return False, None
+        leg = self._plan[0]
+        try:
+            donor = graph.node(leg.donor) if leg.donor else None
+            recipient = graph.node(leg.recipient) if leg.recipient else None
+        except KeyError:
+            donor = recipient = None
+        stale = now - leg.at > self.PENDING_TIMEOUT_S
+        if (
+            recipient is None
+            or stale
+            or (donor is not None and not set(leg.device_ids) <= set(donor.device_ids))
+        ):
+            self._plan = []
+            return False, None
+        if leg.recipient in busy or (leg.donor is not None and leg.donor in busy):
+            return True, None
+        self._plan = self._plan[1:]
+        left = f", {len(self._plan)} more to come" if self._plan else ""
+        return True, make_decision(
+            self.name,
+            Reason.DONOR_LOW_UTILISATION,
+            f"pooled move, next leg: {len(leg.device_ids)} GPUs of {leg.donor} to {leg.recipient}{left}",
+            donor=donor,
+            recipient=recipient,
+            device_ids=leg.device_ids,
+            at=now,
         )
 
     def _best_rebalance(
@@ -651,8 +827,23 @@ class DynaRLPolicy(BasePolicy):
             gain = f" (predicted job throughput {chosen.prediction.job_after / chosen.prediction.job_before - 1:+.0%})"
         return f"{chosen.recipient} paces the job: {len(chosen.device_ids)} GPUs of {chosen.donor}{gain}"
 
-    def _shrink_detail(self, chosen: Candidate, signals: Mapping[str, GroupSignals], now: float) -> str:
+    def _shrink_detail(
+        self,
+        chosen: Candidate,
+        signals: Mapping[str, GroupSignals],
+        now: float,
+        legs: Sequence[_Move] | None = None,
+    ) -> str:
         assert chosen.donor is not None
+        if legs:
+            parts = ", then ".join(f"{leg.gpus} of {leg.donor.id if leg.donor else 'free'}" for leg in legs)
+            predicted = ""
+            if chosen.prediction is not None and chosen.prediction.job_before > 0:
+                predicted = f" (predicted job throughput {chosen.prediction.job_after / chosen.prediction.job_before - 1:+.0%})"
+            return (
+                f"drained groups pool their idle GPUs so {chosen.recipient} reaches a valid size: "
+                f"{parts} to {chosen.recipient}{predicted}"
+            )
         sig = signals[chosen.donor]
         share = f"{sig.low_utilisation_fraction:.0%} of {chosen.donor}'s workers under u_low={self.u_low}"
         if not sig.busy:
@@ -717,7 +908,12 @@ class DynaRLPolicy(BasePolicy):
         best: tuple[Candidate, HyperNode, HyperNode] | None = None
         for lender_id in sorted({loan.lender for loan in self.loans.loans}):
             sig = signals.get(lender_id)
-            if sig is None or lender_id in busy or sig.queue_length <= 0:
+            # A lender without workers reports no queue; the pace model sees whether it has work.
+            if (
+                sig is None
+                or lender_id in busy
+                or (sig.queue_length <= 0 and model.gpus.get(lender_id, 0) > 0)
+            ):
                 continue
             try:
                 lender = graph.node(lender_id)
@@ -818,6 +1014,7 @@ class DynaRLPolicy(BasePolicy):
             "low_since": dict(self._low_since),
             "rebalance_since": dict(self._rebalance_since),
             "pace": self.memory.to_json(),
+            "plan": [leg.to_json() for leg in self._plan],
         }
 
     def load_state(self, data: Mapping[str, Any]) -> None:
@@ -826,6 +1023,7 @@ class DynaRLPolicy(BasePolicy):
         self._rebalance_since = {k: float(v) for k, v in data.get("rebalance_since", {}).items()}
         self.memory = PaceMemory()
         self.memory.load(data.get("pace", {}))
+        self._plan = [PendingMove.from_json(item) for item in data.get("plan", [])]
 
 
 def _smallest_valid_gpus(node: HyperNode) -> int:

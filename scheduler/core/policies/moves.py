@@ -356,29 +356,72 @@ class LoanBook:
         on the graph left by the ones before it. The book is not changed (see ``settle``)."""
         moves: list[ReturnMove] = []
         loans = self.outstanding(lender=lender, borrower=borrower)
-        for borrower_id, lender_id in sorted({(loan.borrower, loan.lender) for loan in loans}):
+        pairs = []
+        for borrower_id, lender_id in {(loan.borrower, loan.lender) for loan in loans}:
             try:
-                borrower_node = graph.node(borrower_id)
                 lender_node = graph.node(lender_id)
+                loaned = {
+                    d
+                    for loan in self.outstanding(lender=lender_id, borrower=borrower_id)
+                    for d in loan.device_ids
+                }
+                owed = len(loaned & set(graph.node(borrower_id).device_ids))
             except KeyError:
                 continue
-            loaned = {
-                d
-                for loan in self.outstanding(lender=lender_id, borrower=borrower_id)
-                for d in loan.device_ids
-            }
-            owed = len(loaned & set(borrower_node.device_ids))
-            if owed == 0:
-                continue
-            # Workers made of loaned devices go first, then mixed ones; never more GPUs than owed.
-            holding = [w for w in borrower_node.workers if any(d.id in loaned for d in w.devices)]
-            holding.sort(key=lambda w: (-sum(d.id in loaned for d in w.devices) / len(w.devices), w.id))
-            workers = largest_valid_transfer(borrower_node, lender_node, holding, max_gpus=owed)
-            if workers:
-                move = ReturnMove(borrower=borrower_node, lender=lender_node, workers=workers)
-                moves.append(move)
-                graph = apply_move(graph, borrower_id, lender_id, move.devices)
+            if owed:
+                pairs.append((bool(lender_node.workers), -owed, borrower_id, lender_id, loaned))
+        # Lenders left without workers first (they cannot run at all), then the most owed: a
+        # borrower whose valid sizes are far apart (a trainer's powers of two) may only manage
+        # a valid return for the larger debts first.
+        # Passes until nothing more can go back: a return to one lender may bring the borrower to
+        # a size from which another valid return opens up.
+        progressed = True
+        while progressed:
+            progressed = False
+            for _, _, borrower_id, lender_id, loaned in sorted(pairs, key=lambda p: p[:4]):
+                move = self._return_move(graph, borrower_id, lender_id, loaned)
+                if move is not None:
+                    moves.append(move)
+                    graph = apply_move(graph, borrower_id, lender_id, move.devices)
+                    progressed = True
+        # What is still owed goes back all at once when that leaves the borrower at a valid size
+        # although no single return does (a trainer of 16 power-of-two ranks owing 4 to each of
+        # two groups): it passes through an invalid size only while the returns are in flight.
+        for borrower_id in sorted({p[2] for p in pairs}):
+            together: list[ReturnMove] = []
+            leaving = 0
+            borrower_node = graph.node(borrower_id)
+            for _, _, owner, lender_id, loaned in sorted(pairs, key=lambda p: p[:4]):
+                if owner != borrower_id:
+                    continue
+                owed = len(loaned & set(borrower_node.device_ids))
+                whole = [w for w in borrower_node.workers if all(d.id in loaned for d in w.devices)]
+                workers = tuple(whole[: owed // max(1, borrower_node.parallelism.gpus_per_worker)])
+                lender_node = graph.node(lender_id)
+                if workers and receive_problem(lender_node, devices_of(workers)) is None:
+                    together.append(ReturnMove(borrower=borrower_node, lender=lender_node, workers=workers))
+                    leaving += len(workers)
+            if len(together) > 1 and release_problem(borrower_node, leaving) is None:
+                for move in together:
+                    moves.append(move)
+                    graph = apply_move(graph, borrower_id, move.lender.id, move.devices)
         return moves
+
+    @staticmethod
+    def _return_move(
+        graph: Hypergraph, borrower_id: str, lender_id: str, loaned: set[str]
+    ) -> ReturnMove | None:
+        """The largest valid return of ``loaned`` devices the borrower still holds, or None."""
+        borrower_node = graph.node(borrower_id)
+        lender_node = graph.node(lender_id)
+        owed = len(loaned & set(borrower_node.device_ids))
+        if owed == 0:
+            return None
+        # Workers made of loaned devices go first, then mixed ones; never more GPUs than owed.
+        holding = [w for w in borrower_node.workers if any(d.id in loaned for d in w.devices)]
+        holding.sort(key=lambda w: (-sum(d.id in loaned for d in w.devices) / len(w.devices), w.id))
+        workers = largest_valid_transfer(borrower_node, lender_node, holding, max_gpus=owed)
+        return ReturnMove(borrower=borrower_node, lender=lender_node, workers=workers) if workers else None
 
     def to_json(self) -> list[dict[str, Any]]:
         return [loan.to_json() for loan in self.loans]

@@ -205,7 +205,9 @@ class PaceMemory:
             if sig is not None and node.kind is ComponentKind.ACTOR:
                 self.trained_tokens += sig.tokens_per_s * dt
         view = rollout_view(graph, signals)
-        if view is None:
+        if view is None or view.workers == 0:
+            # No engines (a synchronous rollout that gave all of them up once its batch was
+            # done): no samples, so nothing to learn about the batch; its progress reads 0.
             return
         self._measure(view, now)
         # A batch ends when its last episode is done. An asynchronous job may already have the
@@ -587,7 +589,11 @@ class PaceModel:
             before = self.effective_gpus(node, self.gpus[group_id])
             useful = self.effective_gpus(node, gpus)
             if useful <= 0:
-                return math.inf
+                if self.work_gpu_s[group_id] > 0 or group_id in self.active:
+                    return math.inf
+                # A group done with its share of the iteration may give up every GPU.
+                useful_total -= max(before, 0)
+                continue
             useful_total += useful - max(before, 0)
             if group_id in self.active:
                 active_total += useful - max(before, 0)

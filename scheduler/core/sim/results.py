@@ -69,6 +69,8 @@ class SimResult:
     affinity_hits: int
     requests_dispatched: int
     done_by_60pct_of_last: tuple[float, ...]  # per iteration: share of episodes done by 60% of the last
+    gpu_seconds: dict[str, float]  # where the GPU-time went, by kind (simulator.GPU_TIME_KINDS)
+    gpu_seconds_by_iteration: tuple[dict[str, float], ...]  # the same, per iteration being trained
     decision_latency_p50_ms: float
     decision_latency_p99_ms: float
     decision_calls: int

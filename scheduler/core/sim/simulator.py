@@ -67,6 +67,24 @@ FREE = ""
 # migration steps, then the telemetry tick that lets the policy see the result.
 ENGINE, CPU_DONE, LOGPROB_DONE, TRAIN_DONE, WEIGHTS_SYNCED, MOVE_RELEASE, MOVE_READY, PHASE, TICK = range(9)
 
+# What a GPU-second went to (``SimResult.gpu_seconds``): an engine's useful decode and prefill
+# relative to a full engine, the rest of an engine holding requests (a drained engine's
+# stragglers, an engine not yet full), an engine holding none; log-prob and trainer workers busy
+# or idle (trainer ranks beyond the valid data-parallel size idle); GPUs moving between groups,
+# switching stages (colocated), or unowned.
+GPU_TIME_KINDS = (
+    "rollout_decoding",
+    "rollout_partly_idle",
+    "rollout_empty",
+    "log_prob_busy",
+    "log_prob_idle",
+    "trainer_busy",
+    "trainer_idle",
+    "in_migration",
+    "colocated_switch",
+    "free",
+)
+
 LOG_PROB_PASSES = 2  # reference and old-policy log-probs: two forward passes per sample
 LOG_PROB_MICRO_BATCH_TOKENS = 65536
 
@@ -251,6 +269,8 @@ class Simulation:
         # Telemetry state.
         self._last_sample: dict[str, tuple[float, float, float]] = {}  # worker -> (at, tokens, busy)
         self._last_util: dict[str, float] = {}
+        # Where the GPU-time goes, per iteration being trained (``GPU_TIME_KINDS``), from the ticks.
+        self.gpu_time: list[dict[str, float]] = []
         self._group_changed_at: dict[str, float] = {g: 0.0 for g in GPU_GROUPS}
         self._last_observed: dict[str, float] = {}
 
@@ -890,8 +910,44 @@ class Simulation:
                 1 for _, devices in self._workers_of(decision.donor) if any(d.id in moved for d in devices)
             )
             if self._group_worker_count(decision.donor) - affected < 1:
-                return f"{decision.donor} would be left without workers"
+                return self._emptying_problem(decision.donor)
         return None
+
+    def _emptying_problem(self, group: str) -> str | None:
+        """Why ``group`` may not give up its last worker, or None. Only a synchronous job's
+        rollout or log-prob group that has done its share of the current iteration may (RLinf
+        releases the rollout instances no longer needed, ceil(running / max_running_requests),
+        none once nothing runs): nothing comes to it before the iteration ends, and the policy's
+        iteration-end returns bring its GPUs back before the next batch. The trainer holds the
+        model's state; an asynchronous job's next batch may arrive at any time."""
+        left = f"{group} would be left without workers"
+        if group not in (ROLLOUT, INFERENCE):
+            return left
+        if self.staleness != 0:
+            return f"{left} (an asynchronous job's groups keep one)"
+        if not self._may_empty(group):
+            return f"{left} while it has work this iteration"
+        return None
+
+    def _may_empty(self, group: str) -> bool:
+        """Whether a synchronous job's ``group`` is done with the current iteration's work."""
+        if self.trainer_version >= len(self.batches):
+            return False
+        batch = self.batches[self.trainer_version]
+        if group == ROLLOUT:
+            return (
+                batch.submitted
+                and batch.rollout_left == 0
+                and not len(self.router)
+                and all(e.batch == 0 and not e.local for e in self.engines.values())
+            )
+        if group == INFERENCE:
+            return (
+                batch.prompts_left == 0
+                and self.logprob.queued_tokens == 0
+                and not any(w.batch for w in self.logprob.workers)
+            )
+        return False
 
     def _apply(self, decision: Decision, now: float) -> None:
         problem = self._decision_problem(decision)
@@ -995,6 +1051,7 @@ class Simulation:
         self._sample_cpu(self.reward, now, progress[REWARD])
         if self.tool is not None:
             self._sample_cpu(self.tool, now, progress[TOOL])
+        self._account_gpu_time()
         graph = self.graph(now)
         limits = {ROLLOUT: self.workload.max_running_requests, INFERENCE: 1, ACTOR: 1}
         if self.tool is not None:
@@ -1012,6 +1069,39 @@ class Simulation:
         # Re-offer work that waits for an affinity that has expired.
         self._dispatch(list(self.engines.values()), now)
         self._push(now + self.options.tick_s, TICK, None)
+
+    def _account_gpu_time(self) -> None:
+        """Charge the tick's GPU-seconds to what each GPU did since the last tick, from the
+        utilisation just sampled (useful work relative to a full worker) and who holds it now."""
+        iteration = min(self.trainer_version, len(self.batches) - 1)
+        while len(self.gpu_time) <= iteration:
+            self.gpu_time.append(dict.fromkeys(GPU_TIME_KINDS, 0.0))
+        spent = self.gpu_time[iteration]
+        dt = self.options.tick_s
+        engine_gpus = self._gpus_per_worker(ROLLOUT) * dt
+        for engine in self.engines.values():
+            if engine.batch == 0 and not engine.local:
+                spent["rollout_empty"] += engine_gpus
+                continue
+            used = self._last_util.get(engine.worker_id, 0.0)
+            spent["rollout_decoding"] += engine_gpus * used
+            spent["rollout_partly_idle"] += engine_gpus * (1.0 - used)
+        for group, workers, busy, idle in (
+            (INFERENCE, [w.id for w in self.logprob.workers], "log_prob_busy", "log_prob_idle"),
+            (ACTOR, [w.id for w in self.trainer.workers], "trainer_busy", "trainer_idle"),
+        ):
+            gpus = self._gpus_per_worker(group) * dt
+            for worker_id in workers:
+                used = self._last_util.get(worker_id, 0.0)
+                spent[busy] += gpus * used
+                spent[idle] += gpus * (1.0 - used)
+        for owner in self.owner.values():
+            if owner == FREE:
+                spent["free"] += dt
+            elif owner == "~phase":
+                spent["colocated_switch"] += dt
+            elif owner.startswith("~move"):
+                spent["in_migration"] += dt
 
     def _progress(self) -> dict[str, float]:
         """Per group, the share of the current iteration's work done (the oldest iteration still
@@ -1167,6 +1257,9 @@ class Simulation:
                 kind=ComponentKind.ROLLOUT,
                 workers=workers,
                 parallelism=Parallelism(tp=self.model.rollout_tp),
+                # A synchronous job's rollout may give up every engine once its batch is done
+                # (``_may_empty``); an asynchronous one keeps one for the next batch.
+                min_workers=0 if self.staleness == 0 else 1,
             )
         if group == INFERENCE:
             return HyperNode(
@@ -1175,6 +1268,7 @@ class Simulation:
                 workers=workers,
                 depends_on=(REWARD,),
                 parallelism=Parallelism(tp=self.model.trainer_tp, pp=self.model.trainer_pp),
+                min_workers=0 if self.staleness == 0 else 1,
             )
         return HyperNode(
             id=ACTOR,
@@ -1302,6 +1396,8 @@ class Simulation:
             affinity_hits=stats.affinity_hits,
             requests_dispatched=stats.dispatched,
             done_by_60pct_of_last=tuple(tails),
+            gpu_seconds={kind: sum(it[kind] for it in self.gpu_time) for kind in GPU_TIME_KINDS},
+            gpu_seconds_by_iteration=tuple(dict(it) for it in self.gpu_time),
             decision_latency_p50_ms=1e3 * percentile(self.decision_latencies_s, 0.5),
             decision_latency_p99_ms=1e3 * percentile(self.decision_latencies_s, 0.99),
             decision_calls=len(self.decision_latencies_s),
