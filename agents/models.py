@@ -59,15 +59,36 @@ class Device(models.Model):
         ordering = ["node__name", "index"]
         constraints: ClassVar = [
             models.UniqueConstraint(fields=["node", "index"], name="device_unique_index_per_node"),
-            # A device that belongs to a worker is allocated, and only then.
+            # A free device has no owner. An owned device is allocated, or lost with its node: it
+            # keeps its owner then, and is allocated again when the node comes back.
             models.CheckConstraint(
-                condition=(models.Q(worker__isnull=True) | models.Q(status="allocated")),
-                name="device_owned_only_when_allocated",
+                condition=(models.Q(worker__isnull=True) | models.Q(status__in=["allocated", "lost"])),
+                name="device_owned_only_when_allocated_or_lost",
             ),
         ]
 
     def __str__(self) -> str:
         return self.uid
+
+
+class JobPictureChange(models.Model):
+    """One change to what the heartbeat replies of a job's nodes share: the job's iteration, state
+    or spec, its groups, its live workers, its open migrations. Database triggers write these
+    rows (migration 0003), so every writer counts, bulk updates included; ``scheduler.progress``
+    keeps each job's picture and rebuilds it only when the job's count of rows has moved."""
+
+    job_id = models.BigIntegerField(db_index=True, help_text="no foreign key: kept until the job goes")
+
+    def __str__(self) -> str:
+        return f"change {self.pk} of job {self.job_id}"
+
+
+def release_devices(devices: models.QuerySet[Device]) -> int:
+    """Drop the devices' owner: they become free, or stay lost while their node is lost (a node
+    that comes back frees them). Returns how many were released."""
+    on_lost_node = models.Q(node__status=NodeStatus.LOST)
+    lost = devices.filter(on_lost_node).update(worker=None, status=DeviceStatus.LOST)
+    return lost + devices.exclude(on_lost_node).update(worker=None, status=DeviceStatus.FREE)
 
 
 class BootstrapToken(models.Model):

@@ -41,6 +41,7 @@ from agents.models import (
     DeviceStatus,
     Node,
     NodeStatus,
+    release_devices,
 )
 from controlplane import audit
 from controlplane.audit import Actor
@@ -49,6 +50,7 @@ from controlplane.transitions import check_transition
 from jobs import services as job_services
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerGroup, WorkerState
 from scheduler import progress, telemetry
+from scheduler.services.migrations import workers_released_in_flight, workers_switched_in_flight
 from scheduler.telemetry import FieldError
 
 log = logging.getLogger(__name__)
@@ -431,13 +433,12 @@ def _sync_devices(node: Node, reported: Iterable[DeviceSpec], actor: Actor) -> t
             device.save(update_fields=["hardware", "memory_gb", "status"])
     missing = [d for index, d in existing.items() if index not in seen]
     for device in missing:
-        if device.worker_id is None:
-            if device.status != DeviceStatus.LOST:
-                device.status = DeviceStatus.LOST
-                device.save(update_fields=["status"])
-        else:
-            # An owned device keeps its owner (the constraint ties owners to 'allocated');
-            # the group is flagged so an operator sees its worker lost a GPU.
+        if device.status != DeviceStatus.LOST:
+            device.status = DeviceStatus.LOST
+            device.save(update_fields=["status"])
+        if device.worker_id is not None:
+            # An owned device keeps its owner; the group is flagged so an operator sees its worker
+            # lost a GPU.
             WorkerGroup.objects.filter(workers__pk=device.worker_id).update(
                 flagged=True, flag_reason=f"device {device.uid} missing from {node.name}'s registration"
             )
@@ -481,9 +482,11 @@ def _worker_json(worker: Worker, devices: Iterable[Device]) -> dict[str, Any]:
 
 def expected_workers(node: Node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The workers this node should be running (starting or running, on its devices), and the
-    specs of their jobs: what a restarted agent reconciles against."""
+    specs of their jobs: what a restarted agent reconciles against. Workers an open migration has
+    already released are not among them; new workers of one past its switch are."""
     workers = (
         Worker.objects.filter(state__in=LIVE_WORKER_STATES)
+        .exclude(name__in=workers_released_in_flight())
         .filter(Q(devices__node=node) | Q(colocated_devices__node=node))
         .distinct()
         .select_related("group", "group__job")
@@ -500,6 +503,9 @@ def expected_workers(node: Node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         ]
         result.append(_worker_json(worker, devices))
         jobs[str(worker.group.job_id)] = worker.group.job.spec
+    for switched in workers_switched_in_flight(node):
+        result.append(switched)
+        jobs.setdefault(str(switched["job"]), Job.objects.get(pk=switched["job"]).spec)
     return result, jobs
 
 
@@ -637,9 +643,9 @@ def mark_node_lost(node_id: int, *, cutoff: datetime, now: datetime) -> Node | N
         node.status = NodeStatus.LOST
         node.status_reason = f"no heartbeat for {silent_s:.0f}s (last at {last.isoformat()})"
         node.save(update_fields=["status", "status_reason"])
-        # Owned devices keep their owner and stay 'allocated' (the device_owned_only_when_allocated
-        # constraint); the node's status takes them out of scheduling, and the flag tells the job.
-        lost_devices = Device.objects.filter(node=node, worker__isnull=True).update(status=DeviceStatus.LOST)
+        # Every device of the node is lost; owned ones keep their owner for when the node comes back
+        # (allocated again then), and the flag tells the job.
+        lost_devices = Device.objects.filter(node=node).update(status=DeviceStatus.LOST)
         reason = f"{NODE_LOST_FLAG_PREFIX}{node.name}: {node.status_reason}"
         groups = list(
             WorkerGroup.objects.filter(
@@ -900,7 +906,11 @@ def _report_workers(node: Node, command: AgentCommand, report: Report) -> Report
     freed = False
     with transaction.atomic():
         job_id = command.payload.get("job")
-        job = Job.objects.select_for_update().filter(pk=job_id).first() if isinstance(job_id, int) else None
+        job = (
+            Job.objects.select_for_update(no_key=True).filter(pk=job_id).first()
+            if isinstance(job_id, int)
+            else None
+        )
         command = _locked_command(command.pk)
         if command.state in FINISHED_COMMAND_STATES:
             return ReportOutcome(command, repeated=True)
@@ -957,7 +967,7 @@ def _apply_launch(workers: list[Worker], outcomes: Mapping[str, Mapping[str, Any
             worker.check_transition(WorkerState.FAILED)
             worker.state, worker.stopped_at = WorkerState.FAILED, now
             worker.save(update_fields=["state", "stopped_at"])
-            Device.objects.filter(worker=worker).update(worker=None, status=DeviceStatus.FREE)
+            release_devices(Device.objects.filter(worker=worker))
             failed.append(worker.name)
     return failed
 
@@ -976,7 +986,5 @@ def _apply_stop(workers: list[Worker], outcomes: Mapping[str, Mapping[str, Any]]
         worker.check_transition(WorkerState.STOPPED)
         worker.state, worker.stopped_at = WorkerState.STOPPED, now
         worker.save(update_fields=["state", "stopped_at"])
-        freed = (
-            Device.objects.filter(worker=worker).update(worker=None, status=DeviceStatus.FREE) > 0 or freed
-        )
+        freed = release_devices(Device.objects.filter(worker=worker)) > 0 or freed
     return freed

@@ -111,6 +111,43 @@ def submit_demo_jobs(base_url: str, data_dir: Path, expected_nodes: int) -> None
             log.warning("demo job %s refused: %s", name, exc.read().decode(errors="replace")[:500])
 
 
+def sign_in_banner(base_url: str, data_dir: Path, env: dict[str, str]) -> str:
+    """Where to open the dashboard and which credentials sign in to it."""
+    username = env.get("DYNARL_ADMIN_USERNAME") or "admin"
+    password_file = data_dir / "admin-password"
+    if env.get("DYNARL_ADMIN_PASSWORD"):
+        password = "the value of DYNARL_ADMIN_PASSWORD"
+    elif password_file.exists():
+        password = f"in {password_file}"
+    else:
+        password = f"set when the account was created (reset: python manage.py changepassword {username})"
+    rule = "=" * 72
+    return "\n".join(
+        [
+            rule,
+            f"  dynarl dashboard   {base_url}/",
+            f"  sign in as         {username}   password: {password}",
+            f"  REST API docs      {base_url}/api/docs/    health: {base_url}/healthz",
+            rule,
+        ]
+    )
+
+
+def announce_when_ready(base_url: str, banner: str) -> None:
+    """Log the sign-in banner once the server answers, so it follows the processes' start-up
+    output instead of scrolling away above it."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base_url}/healthz", timeout=2):
+                break
+        except urllib.error.HTTPError:
+            break  # it answers, even if a dependency is unhealthy
+        except OSError:
+            time.sleep(0.5)
+    log.info("\n%s", banner)
+
+
 def _api(method: str, url: str, headers: dict[str, str], body: bytes | None = None) -> dict[str, Any]:
     request = urllib.request.Request(
         url, data=body, method=method, headers={"Accept": "application/json", **headers}
@@ -172,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         manager = Manager()
         for name, command in build_processes(env, args.host, args.port, args.demo_nodes).items():
             manager.add_process(name, command, env=env, cwd=str(BASE_DIR))
+        base_url = f"http://{args.host}:{args.port}"
+        banner = sign_in_banner(base_url, data_dir, env)
+        threading.Thread(target=announce_when_ready, args=(base_url, banner), daemon=True).start()
         if args.demo_nodes > 0 and not args.no_demo_jobs:
             threading.Thread(
                 target=submit_demo_jobs,

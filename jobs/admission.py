@@ -25,10 +25,14 @@ def admit_pending(*, actor: Actor) -> list[Job]:
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ADMISSION_LOCK_KEY])
+        # Only devices of ready nodes that are not lost are handed out; but a job is refused as
+        # never fitting only if the whole cluster could not hold it: lost and drained nodes may
+        # come back.
         cluster = services.schedulable_devices()
         cluster_core = services.core_devices(cluster)
+        whole_cluster = services.core_devices(list(Device.objects.select_related("node")))
         for job in (
-            Job.objects.select_for_update()
+            Job.objects.select_for_update(no_key=True)
             .filter(state=JobState.PENDING)
             .order_by("-priority", "submitted_at", "id")
         ):
@@ -37,7 +41,7 @@ def admit_pending(*, actor: Actor) -> list[Job]:
             free = [d for d in cluster if d.status == DeviceStatus.FREE and d.worker_id is None]
             result = place(requests, services.core_devices(free), cluster_core)
             if isinstance(result, PlacementFailure):
-                never = fits_in(requests, cluster_core)
+                never = fits_in(requests, whole_cluster)
                 if never is not None:
                     services.transition(
                         job,

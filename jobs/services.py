@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from agents import commands
-from agents.models import Device, DeviceStatus, NodeStatus
+from agents.models import Device, DeviceStatus, NodeStatus, release_devices
 from controlplane import audit
 from controlplane.audit import Actor
 from jobs.models import (
@@ -193,7 +193,7 @@ def transition(job: Job, target: JobState, reason: JobReason, actor: Actor, deta
 
 
 def _locked(job_id: int) -> Job:
-    return Job.objects.select_for_update().get(pk=job_id)
+    return Job.objects.select_for_update(no_key=True).get(pk=job_id)
 
 
 def release_workers(job: Job, *, reason: str) -> None:
@@ -207,7 +207,7 @@ def release_workers(job: Job, *, reason: str) -> None:
             worker.state = WorkerState.STOPPED
             worker.stopped_at = timezone.now()
             worker.save(update_fields=["state", "stopped_at"])
-            Device.objects.filter(worker=worker).update(worker=None, status=DeviceStatus.FREE)
+            release_devices(Device.objects.filter(worker=worker))
         else:
             worker.check_transition(WorkerState.STOPPING)
             worker.state = WorkerState.STOPPING

@@ -21,8 +21,10 @@ from rest_framework.decorators import action
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from controlplane.api import exports
+from jobs.models import Job
 from scheduler.filters import (
     AlertFilter,
     DecisionFilter,
@@ -52,6 +54,7 @@ from scheduler.serializers import (
     SnapshotSummarySerializer,
     TickSerializer,
 )
+from scheduler.services import history
 
 # --- snapshots ---------------------------------------------------------------------------------
 
@@ -337,3 +340,110 @@ class AlertViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self) -> QuerySet[Alert]:
         return Alert.objects.select_related("node").order_by("-raised_at", "-id")
+
+
+# --- a job's history: GPU ownership timeline and telemetry per group ----------------------------
+
+
+class TimelineDeviceSerializer(serializers.Serializer):
+    uid = serializers.CharField()
+    node = serializers.CharField(help_text="empty when the device is no longer registered")
+    index = serializers.IntegerField()
+    hardware = serializers.CharField()
+
+
+class OwnershipSerializer(serializers.Serializer):
+    device = serializers.CharField(help_text="device uid")
+    worker = serializers.CharField()
+    group = serializers.CharField()
+    kind = serializers.CharField(help_text="component kind of the group")
+    start = serializers.DateTimeField(help_text="when the worker was given the device")
+    end = serializers.DateTimeField(allow_null=True, help_text="when it let go; null: it still holds it")
+    colocated = serializers.BooleanField(help_text="time-shared with another worker of the job")
+
+
+class MigrationMarkSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    migration_id = serializers.CharField()
+    state = serializers.CharField()
+    strategy = serializers.CharField()
+    donor = serializers.CharField()
+    recipient = serializers.CharField()
+    device_uids = serializers.ListField(child=serializers.CharField())
+    requested_by = serializers.CharField()
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(
+        allow_null=True, help_text="for a committed migration, when the devices changed owner"
+    )
+
+
+class TimelineSerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    start = serializers.DateTimeField(help_text="admission (or the first holding)")
+    end = serializers.DateTimeField(help_text="when the job finished, or now")
+    devices = TimelineDeviceSerializer(many=True, help_text="every device the job held, by node and index")
+    segments = OwnershipSerializer(many=True, help_text="ordered by device, then start")
+    migrations = MigrationMarkSerializer(many=True, help_text="all of the job's migrations, oldest first")
+
+
+class TelemetryPointSerializer(serializers.Serializer):
+    at = serializers.DateTimeField(help_text="start of the telemetry bucket")
+    workers = serializers.IntegerField(help_text="workers that reported in the bucket")
+    utilisation_mean = serializers.FloatField(help_text="mean over the group's workers, 0..1")
+    utilisation_min = serializers.FloatField()
+    tokens_per_s = serializers.FloatField(help_text="the group's tokens in the bucket per second")
+    queue_length = serializers.IntegerField()
+    in_flight = serializers.IntegerField()
+
+
+class GroupSeriesSerializer(serializers.Serializer):
+    group = serializers.CharField()
+    kind = serializers.CharField()
+    points = TelemetryPointSerializer(many=True, help_text="oldest first")
+
+
+class TelemetryHistorySerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    since = serializers.DateTimeField()
+    until = serializers.DateTimeField()
+    bucket_s = serializers.FloatField(help_text="seconds per bucket (TELEMETRY_BUCKET_S)")
+    groups = GroupSeriesSerializer(many=True, help_text="every group of the job, even without samples yet")
+
+
+class TelemetryQuery(serializers.Serializer):
+    since = serializers.DateTimeField(
+        required=False, help_text="buckets starting at or after this time (default: the last hour)"
+    )
+
+
+class JobTimelineView(APIView):
+    """Which worker group held each of a job's GPUs over time, with its migrations."""
+
+    @extend_schema(
+        responses={200: TimelineSerializer}, operation_id="jobs_timeline", summary="GPU ownership timeline"
+    )
+    def get(self, request: Request, pk: int) -> Response:
+        """Rebuilt from the job's worker rows, snapshots and migrations: one segment per device
+        and worker that held it; migrations mark when devices changed hands."""
+        job = get_object_or_404(Job, pk=pk)
+        return Response(TimelineSerializer(history.job_timeline(job)).data)
+
+
+class JobTelemetryView(APIView):
+    """Per-group utilisation and throughput over time."""
+
+    @extend_schema(
+        parameters=[TelemetryQuery],
+        responses={200: TelemetryHistorySerializer},
+        operation_id="jobs_telemetry",
+        summary="Utilisation and throughput per group over time",
+    )
+    def get(self, request: Request, pk: int) -> Response:
+        """The job's telemetry buckets aggregated per worker group: mean utilisation, tokens/s,
+        queue length. ``since`` fetches only what is newer (e.g. after a reconnect)."""
+        job = get_object_or_404(Job, pk=pk)
+        query = TelemetryQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        found = history.job_telemetry(job, since=query.validated_data.get("since"))
+        return Response(TelemetryHistorySerializer(found).data)

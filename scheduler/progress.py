@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 
 from agents.models import Device, Node
@@ -292,7 +292,9 @@ def advance_iteration(job_id: int, actor: Actor) -> int | None:
     if unlocked is None or _trained_everywhere(unlocked) is None:
         return None
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=job_id, state__in=ACTIVE_JOB_STATES).first()
+        job = (
+            Job.objects.select_for_update(no_key=True).filter(pk=job_id, state__in=ACTIVE_JOB_STATES).first()
+        )
         if job is None:
             return None
         nodes = _trained_everywhere(job)
@@ -343,14 +345,23 @@ def _aggregate(kind: str, reports: Iterable[Mapping[str, Any]], group: str, iter
     return max(counts) if kind == ACTOR_KIND else sum(counts)
 
 
-def _samples_per_iteration(job: Job) -> int:
-    workload = job.spec.get("workload", {}) if isinstance(job.spec, dict) else {}
+def _workload(spec: Any) -> Mapping[str, Any]:
+    workload = spec.get("workload", {}) if isinstance(spec, Mapping) else {}
+    return workload if isinstance(workload, Mapping) else {}
+
+
+def _samples_per_iteration(spec: Any) -> int:
+    workload = _workload(spec)
     return int(workload.get("prompts_per_iteration", 0)) * int(workload.get("samples_per_prompt", 1))
 
 
-def _staleness(job: Job) -> int:
-    workload = job.spec.get("workload", {}) if isinstance(job.spec, dict) else {}
-    return max(0, int(workload.get("staleness") or 0))
+def _window(state: str, iteration: int, iterations_total: int, spec: Any) -> tuple[int, ...]:
+    """Iterations the rollout may work on: the current one and, for an asynchronous job, up to
+    ``staleness`` ahead (generated with weights at most that many versions old)."""
+    if state not in ACTIVE_JOB_STATES:
+        return ()
+    staleness = max(0, int(_workload(spec).get("staleness") or 0))
+    return tuple(range(iteration, min(iteration + staleness, iterations_total - 1) + 1))
 
 
 def _leaving(plans: Iterable[Mapping[str, Any]]) -> set[str]:
@@ -362,20 +373,166 @@ def _leaving(plans: Iterable[Mapping[str, Any]]) -> set[str]:
     return leaving
 
 
-def _node_jobs(
-    node: Node, open_migrations: Sequence[tuple[int, list[str], Mapping[str, Any]]]
-) -> tuple[list[int], set[int]]:
-    """Jobs with live workers on the node, and jobs whose open migrations move devices of the
-    node without the job having workers there yet (the node then needs the job's spec)."""
-    hosted = set(
-        Worker.objects.filter(state__in=LIVE_WORKER_STATES)
-        .filter(Q(devices__node=node) | Q(colocated_devices__node=node))
-        .values_list("group__job_id", flat=True)
-        .distinct()
+@dataclass(frozen=True)
+class JobPicture:
+    """What the replies to every node of one job share, from the database. Kept per process and
+    reused while the job's ``version`` (its count of ``JobPictureChange`` rows, which database
+    triggers write on every change to these fields) stays the same."""
+
+    job_id: int
+    scope: str
+    version: int
+    iteration: int
+    iterations_total: int
+    state: str
+    spec: Any
+    samples_per_iteration: int
+    window: tuple[int, ...]
+    kinds: tuple[tuple[str, str], ...]  # (group, kind), sorted by group
+    live: Mapping[str, tuple[str, ...]]  # group -> live members, sorted
+    leaving: frozenset[str]
+
+    @property
+    def rollout_groups(self) -> list[str]:
+        return [g for g, kind in self.kinds if kind == ROLLOUT_KIND]
+
+
+# job id -> its latest picture in this process. Bounded by the jobs with live workers.
+_pictures: dict[int, JobPicture] = {}
+_MAX_PICTURES = 4_096
+
+_NODE_JOBS_SQL = """
+WITH hosted AS (
+    SELECT g.job_id FROM {worker} w
+    JOIN {group} g ON g.id = w.group_id
+    JOIN {device} d ON d.worker_id = w.id
+    WHERE d.node_id = %(node)s AND w.state = ANY(%(live)s)
+    UNION
+    SELECT g.job_id FROM {colocated} c
+    JOIN {device} d ON d.id = c.device_id
+    JOIN {worker} w ON w.id = c.worker_id
+    JOIN {group} g ON g.id = w.group_id
+    WHERE d.node_id = %(node)s AND w.state = ANY(%(live)s)
+), joining AS (
+    SELECT m.job_id FROM {migration} m
+    WHERE m.state = ANY(%(open)s) AND EXISTS (
+        SELECT 1 FROM jsonb_array_elements_text(
+            CASE WHEN jsonb_typeof(m.device_uids) = 'array' THEN m.device_uids ELSE '[]'::jsonb END
+        ) AS moved(uid)
+        WHERE starts_with(moved.uid, %(prefix)s)
     )
-    prefix = f"{node.name}/"  # device uids are "<node>/gpu<index>" (agents.services registers them so)
-    joining = {job_id for job_id, moved, _ in open_migrations if any(uid.startswith(prefix) for uid in moved)}
-    return sorted(hosted | joining), joining - hosted
+    EXCEPT SELECT job_id FROM hosted
+)
+SELECT j.id, j.submitted_at, j.id IN (SELECT job_id FROM joining),
+       (SELECT count(*) FROM {change} ch WHERE ch.job_id = j.id)
+FROM {job} j
+WHERE j.id IN (SELECT job_id FROM hosted UNION SELECT job_id FROM joining)
+ORDER BY j.id
+"""
+
+
+def _node_jobs_sql() -> str:
+    from agents.models import JobPictureChange
+
+    quote = connection.ops.quote_name
+    return _NODE_JOBS_SQL.format(
+        worker=quote(Worker._meta.db_table),
+        group=quote(WorkerGroup._meta.db_table),
+        device=quote(Device._meta.db_table),
+        colocated=quote(Worker.colocated_devices.through._meta.db_table),
+        migration=quote(Migration._meta.db_table),
+        job=quote(Job._meta.db_table),
+        change=quote(JobPictureChange._meta.db_table),
+    )
+
+
+def _node_jobs(node: Node) -> list[tuple[int, str, bool, int]]:
+    """(job id, scope, joining, version) of the jobs with live workers on the node, and of the
+    jobs whose open migrations move devices of the node without the job having workers there yet
+    (joining: the node then needs the job's spec). One statement, read before any picture is
+    loaded, so a picture is never older than the version it is kept under."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _node_jobs_sql(),
+            {
+                "node": node.pk,
+                "live": sorted(LIVE_WORKER_STATES),
+                "open": sorted(OPEN_MIGRATION_STATES),
+                # device uids are "<node>/gpu<index>" (agents.services registers them so)
+                "prefix": f"{node.name}/",
+            },
+        )
+        return [
+            (job_id, job_scope(job_id, submitted_at), bool(joining), int(version))
+            for job_id, submitted_at, joining, version in cursor.fetchall()
+        ]
+
+
+def _load_pictures(wanted: Mapping[int, tuple[str, int]]) -> dict[int, JobPicture]:
+    """Build the pictures of the jobs ``wanted`` (id -> (scope, version)) from the database."""
+    ids = list(wanted)
+    jobs = {
+        pk: (iteration, total, state, spec)
+        for pk, iteration, total, state, spec in Job.objects.filter(pk__in=ids).values_list(
+            "pk", "iteration", "iterations_total", "state", "spec"
+        )
+    }
+    kinds: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for job_id, name, kind in WorkerGroup.objects.filter(job_id__in=ids).values_list(
+        "job_id", "name", "kind"
+    ):
+        kinds[job_id].append((name, kind))
+    live: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for job_id, group, name in (
+        Worker.objects.filter(group__job_id__in=ids, state__in=LIVE_WORKER_STATES)
+        .order_by("name")
+        .values_list("group__job_id", "group__name", "name")
+    ):
+        live[job_id][group].append(name)
+    plans: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for job_id, plan in Migration.objects.filter(job_id__in=ids, state__in=OPEN_MIGRATION_STATES).values_list(
+        "job_id", "plan"
+    ):
+        plans[job_id].append(plan)
+    pictures = {}
+    for job_id, (iteration, total, state, spec) in jobs.items():
+        scope, version = wanted[job_id]
+        pictures[job_id] = JobPicture(
+            job_id=job_id,
+            scope=scope,
+            version=version,
+            iteration=iteration,
+            iterations_total=total,
+            state=state,
+            spec=spec,
+            samples_per_iteration=_samples_per_iteration(spec),
+            window=_window(state, iteration, total, spec),
+            kinds=tuple(sorted(kinds[job_id])),
+            live={g: tuple(names) for g, names in live[job_id].items()},
+            leaving=frozenset(_leaving(plans[job_id])),
+        )
+    return pictures
+
+
+def _pictures_for(wanted: Mapping[int, tuple[str, int]]) -> dict[int, JobPicture]:
+    """The jobs' pictures: kept ones while their version holds, the others loaded (and kept, unless
+    this runs inside a transaction, whose own changes may yet roll back)."""
+    found: dict[int, JobPicture] = {}
+    stale: dict[int, tuple[str, int]] = {}
+    for job_id, (scope, version) in wanted.items():
+        kept = _pictures.get(job_id)
+        if kept is not None and kept.scope == scope and kept.version == version:
+            found[job_id] = kept
+        else:
+            stale[job_id] = (scope, version)
+    if stale:
+        loaded = _load_pictures(stale)
+        found.update(loaded)
+        if not connection.in_atomic_block:
+            if len(_pictures) + len(loaded) > _MAX_PICTURES:
+                _pictures.clear()
+            _pictures.update(loaded)
+    return found
 
 
 def reply_for(node: Node) -> dict[str, Any]:
@@ -389,83 +546,67 @@ def reply_for(node: Node) -> dict[str, Any]:
       episodes are split over, the members already ``claimed``, and ``adopt`` (member -> worker
       that takes over the share of a member gone before its agent started it);
     - ``spec``: the job's spec, only for a node joining the job through a migration.
-    """
-    open_migrations = list(
-        Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).values_list("job_id", "device_uids", "plan")
-    )
-    job_ids, joining = _node_jobs(node, open_migrations)
-    if not job_ids:
-        return {}
-    jobs = {j.pk: j for j in Job.objects.filter(pk__in=job_ids)}
-    kinds: dict[int, dict[str, str]] = defaultdict(dict)
-    for job_id, name, kind in WorkerGroup.objects.filter(job_id__in=job_ids).values_list(
-        "job_id", "name", "kind"
-    ):
-        kinds[job_id][name] = kind
-    live: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for job_id, group, name in (
-        Worker.objects.filter(group__job_id__in=job_ids, state__in=LIVE_WORKER_STATES)
-        .order_by("name")
-        .values_list("group__job_id", "group__name", "name")
-    ):
-        live[job_id][group].append(name)
-    plans: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-    for job_id, _, plan in open_migrations:
-        plans[job_id].append(plan)
 
-    client = redis_client()
-    windows = {job_id: _window(job) for job_id, job in jobs.items()}
-    pipe = client.pipeline(transaction=False)
-    for job_id, job in jobs.items():
-        pipe.hgetall(nodes_key(scope_of(job)))
-        for iteration in windows[job_id]:
-            pipe.get(partition_key(scope_of(job), iteration))
+    The database part of each job's entry is the job's ``JobPicture``, shared by all its nodes'
+    heartbeats until the job changes; per heartbeat this costs one statement and one Redis round
+    trip (the nodes' reports, partitions and claims change every second and are read fresh).
+    """
+    node_jobs = _node_jobs(node)
+    if not node_jobs:
+        return {}
+    pictures = _pictures_for({job_id: (scope, version) for job_id, scope, _, version in node_jobs})
+    joining = {job_id for job_id, _, joins, _ in node_jobs if joins}
+    shown = [pictures[job_id] for job_id, *_ in node_jobs if job_id in pictures]
+
+    pipe = redis_client().pipeline(transaction=False)
+    for picture in shown:
+        pipe.hgetall(nodes_key(picture.scope))
+        for iteration in picture.window:
+            pipe.get(partition_key(picture.scope, iteration))
+        for iteration in picture.window:
+            for group in picture.rollout_groups:
+                pipe.smembers(claims_key(picture.scope, iteration, group))
     answers = iter(pipe.execute())
-    reports: dict[int, list[dict[str, Any]]] = {}
-    frozen: dict[int, dict[int, dict[str, list[str]]]] = {}
-    for job_id in jobs:
-        reports[job_id] = [json.loads(v) for v in next(answers).values()]
-        frozen[job_id] = {}
-        for iteration in windows[job_id]:
-            raw = next(answers)
-            if raw is not None:
-                frozen[job_id][iteration] = json.loads(raw)
 
     reply: dict[str, Any] = {}
-    for job_id, job in jobs.items():
-        leaving = _leaving(plans[job_id])
-        total = _samples_per_iteration(job)
+    for picture in shown:
+        reports = [json.loads(v) for v in next(answers).values()]
+        frozen: dict[int, dict[str, list[str]]] = {}
+        for iteration in picture.window:
+            raw = next(answers)
+            if raw is not None:
+                frozen[iteration] = json.loads(raw)
+        claimed: dict[tuple[int, str], set[str]] = {}
+        for iteration in picture.window:
+            for group in picture.rollout_groups:
+                claimed[(iteration, group)] = {_text(c) for c in next(answers)}
         groups: dict[str, Any] = {}
-        for group, kind in sorted(kinds[job_id].items()):
-            members = live[job_id].get(group, [])
-            staying = [w for w in members if w not in leaving] or members
-            completed = _aggregate(kind, reports[job_id], group, job.iteration)
-            groups[group] = {"kind": kind, "workers": staying, "completed": completed or 0, "total": total}
-        _freeze(job, windows[job_id], frozen[job_id], groups)
+        for group, kind in picture.kinds:
+            members = list(picture.live.get(group, ()))
+            staying = [w for w in members if w not in picture.leaving] or members
+            completed = _aggregate(kind, reports, group, picture.iteration)
+            groups[group] = {
+                "kind": kind,
+                "workers": staying,
+                "completed": completed or 0,
+                "total": picture.samples_per_iteration,
+            }
+        _freeze(picture.scope, picture.window, frozen, groups)
         entry: dict[str, Any] = {
-            "iteration": job.iteration,
-            "iterations_total": job.iterations_total,
-            "state": job.state,
+            "iteration": picture.iteration,
+            "iterations_total": picture.iterations_total,
+            "state": picture.state,
             "groups": groups,
-            "partitions": _partitions(job, frozen[job_id], groups, live[job_id], leaving),
+            "partitions": _partitions(picture, frozen, groups, claimed),
         }
-        if job_id in joining:
-            entry["spec"] = job.spec
-        reply[str(job_id)] = entry
+        if picture.job_id in joining:
+            entry["spec"] = picture.spec
+        reply[str(picture.job_id)] = entry
     return reply
 
 
-def _window(job: Job) -> list[int]:
-    """Iterations the rollout may work on: the current one and, for an asynchronous job, up to
-    ``staleness`` ahead (generated with weights at most that many versions old)."""
-    if job.state not in ACTIVE_JOB_STATES:
-        return []
-    last = min(job.iteration + _staleness(job), job.iterations_total - 1)
-    return list(range(job.iteration, last + 1))
-
-
 def _freeze(
-    job: Job, window: Sequence[int], frozen: dict[int, dict[str, list[str]]], groups: Mapping[str, Any]
+    scope: str, window: Sequence[int], frozen: dict[int, dict[str, list[str]]], groups: Mapping[str, Any]
 ) -> None:
     """Fix the members of each newly opened iteration, once: the first reply that opens it wins
     (SET NX), so every agent partitions the iteration's episodes the same way."""
@@ -479,9 +620,9 @@ def _freeze(
     value = json.dumps(members, separators=(",", ":"))
     pipe = client.pipeline(transaction=False)
     for iteration in missing:
-        pipe.set(partition_key(scope_of(job), iteration), value, nx=True, ex=PROGRESS_TTL_S)
+        pipe.set(partition_key(scope, iteration), value, nx=True, ex=PROGRESS_TTL_S)
     for iteration in missing:
-        pipe.get(partition_key(scope_of(job), iteration))
+        pipe.get(partition_key(scope, iteration))
     answers = pipe.execute()[len(missing) :]
     for iteration, raw in zip(missing, answers, strict=True):
         if raw is not None:
@@ -489,33 +630,35 @@ def _freeze(
 
 
 def _partitions(
-    job: Job,
+    picture: JobPicture,
     frozen: Mapping[int, Mapping[str, list[str]]],
     groups: Mapping[str, Any],
-    live: Mapping[str, list[str]],
-    leaving: set[str],
+    claimed: dict[tuple[int, str], set[str]],
 ) -> dict[str, Any]:
     if not frozen:
         return {}
-    pipe = redis_client().pipeline(transaction=False)
     order = [(i, g) for i in sorted(frozen) for g in sorted(frozen[i])]
-    for iteration, group in order:
-        pipe.smembers(claims_key(scope_of(job), iteration, group))
-    claimed_sets = dict(zip(order, pipe.execute(), strict=True))
+    unread = [key for key in order if key not in claimed]  # a group frozen before it was renamed
+    if unread:
+        pipe = redis_client().pipeline(transaction=False)
+        for iteration, group in unread:
+            pipe.smembers(claims_key(picture.scope, iteration, group))
+        for key, members in zip(unread, pipe.execute(), strict=True):
+            claimed[key] = {_text(c) for c in members}
     partitions: dict[str, Any] = {}
     for iteration, group in order:
         members = frozen[iteration][group]
-        claimed = {_text(c) for c in claimed_sets[(iteration, group)]}
+        taken = claimed[(iteration, group)]
         current = groups.get(group, {}).get("workers", [])
-        still = set(live.get(group, []))
+        still = set(picture.live.get(group, ()))
         adopt = {
             member: current[position % len(current)]
             for position, member in enumerate(members)
-            if member not in claimed and (member not in still or member in leaving) and current
+            if member not in taken and (member not in still or member in picture.leaving) and current
         }
         partitions.setdefault(str(iteration), {})[group] = {
             "workers": list(members),
-            "claimed": sorted(claimed),
+            "claimed": sorted(taken),
             "adopt": adopt,
         }
     return partitions
@@ -528,7 +671,7 @@ def group_progress(job_id: int) -> dict[str, tuple[int, int]]:
     if job is None:
         return {}
     reports = list(_reports(job).values())
-    total = _samples_per_iteration(job)
+    total = _samples_per_iteration(job.spec)
     progress: dict[str, tuple[int, int]] = {}
     for name, kind in WorkerGroup.objects.filter(job=job).order_by("id").values_list("name", "kind"):
         completed = _aggregate(kind, reports, name, job.iteration)

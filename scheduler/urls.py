@@ -1,6 +1,7 @@
-"""/api/v1/: snapshots, decisions, migrations, predictor samples, ticks and alerts (read-only)."""
+"""/api/v1/: snapshots, decisions, migrations, predictor samples, ticks and alerts (read-only),
+and a job's history: its GPU ownership timeline and telemetry per group."""
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
 from rest_framework.routers import SimpleRouter
 
 from scheduler import api
@@ -13,4 +14,8 @@ router.register("predictor-samples", api.PredictorSampleViewSet, basename="predi
 router.register("ticks", api.TickViewSet, basename="tick")
 router.register("alerts", api.AlertViewSet, basename="alert")
 
-urlpatterns: list[URLPattern | URLResolver] = list(router.urls)
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("jobs/<int:pk>/timeline/", api.JobTimelineView.as_view(), name="job-timeline"),
+    path("jobs/<int:pk>/telemetry/", api.JobTelemetryView.as_view(), name="job-telemetry"),
+    *router.urls,
+]

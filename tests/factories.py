@@ -62,7 +62,7 @@ def mark_running(job: Job) -> Job:
     """What the agents' launch reports do: every worker runs, the job runs."""
     Worker.objects.filter(group__job=job).update(state=WorkerState.RUNNING, started_at=timezone.now())
     with transaction.atomic():
-        locked = Job.objects.select_for_update().get(pk=job.pk)
+        locked = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
         services.transition(locked, JobState.RUNNING, JobReason.WORKERS_LAUNCHED, Actor.system("test agents"))
     job.refresh_from_db()
     return job

@@ -1,11 +1,15 @@
-"""The cluster at a glance: GPUs by state, hardware, job and component; nodes; jobs; the queue."""
+"""The cluster at a glance: GPUs by state, hardware, job and component; nodes; jobs; the queue.
+
+A lost node's devices count as lost, owned ones included: they stay in their job's GPUs (the
+worker keeps them until the node comes back or the job lets them go) and are also counted as the
+job's and component's ``lost``."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
 
-from django.db.models import Count
+from django.db.models import Count, Q
 
 from agents.models import Device, DeviceStatus, Node, NodeStatus
 from jobs.models import Job, JobState
@@ -34,15 +38,17 @@ def cluster_summary() -> dict[str, Any]:
             "worker__group__name",
             "worker__group__kind",
         )
-        .annotate(n=Count("id"))
+        .annotate(n=Count("id"), lost=Count("id", filter=Q(status=DeviceStatus.LOST)))
         .order_by("worker__group__job_id", "worker__group__name")
     )
-    for job_id, job_name, job_state, group, kind, n in owned:
+    for job_id, job_name, job_state, group, kind, n, lost in owned:
         entry = jobs.setdefault(
-            job_id, {"job": job_id, "name": job_name, "state": job_state, "gpus": 0, "components": []}
+            job_id,
+            {"job": job_id, "name": job_name, "state": job_state, "gpus": 0, "lost": 0, "components": []},
         )
         entry["gpus"] += n
-        entry["components"].append({"group": group, "kind": kind, "gpus": n})
+        entry["lost"] += lost
+        entry["components"].append({"group": group, "kind": kind, "gpus": n, "lost": lost})
 
     node_states = dict(Node.objects.values_list("status").annotate(n=Count("id")).order_by())
     job_states = dict(Job.objects.values_list("state").annotate(n=Count("id")).order_by())

@@ -156,7 +156,17 @@ class DeviceSerializer(serializers.ModelSerializer):
         source="worker.group.job.name", read_only=True, allow_null=True, default=None
     )
     group = serializers.CharField(source="worker.group.name", read_only=True, allow_null=True, default=None)
+    group_kind = serializers.CharField(
+        source="worker.group.kind",
+        read_only=True,
+        allow_null=True,
+        default=None,
+        help_text="the owning group's component kind (rollout, inference, reward, tool, actor)",
+    )
     worker_name = serializers.CharField(source="worker.name", read_only=True, allow_null=True, default=None)
+    shared_with = serializers.SerializerMethodField(
+        help_text="groups of other workers time-sharing this device (colocated placement)"
+    )
 
     class Meta:
         model = Device
@@ -176,9 +186,15 @@ class DeviceSerializer(serializers.ModelSerializer):
             "job",
             "job_name",
             "group",
+            "group_kind",
             "worker_name",
+            "shared_with",
         )
         read_only_fields: tuple[str, ...] = fields
+
+    def get_shared_with(self, device: Device) -> list[str]:
+        # Uses the prefetched colocated workers (see DeviceViewSet) rather than one query each.
+        return sorted({worker.group.name for worker in device.colocated_workers.all()})
 
 
 # --- cluster summary ---------------------------------------------------------------------------
@@ -202,6 +218,7 @@ class ComponentGpusSerializer(serializers.Serializer):
     group = serializers.CharField()
     kind = serializers.CharField()
     gpus = serializers.IntegerField()
+    lost = serializers.IntegerField(help_text="of those, GPUs on a lost node")
 
 
 class JobGpusSerializer(serializers.Serializer):
@@ -209,6 +226,7 @@ class JobGpusSerializer(serializers.Serializer):
     name = serializers.CharField()
     state = serializers.ChoiceField(choices=JobState.choices)
     gpus = serializers.IntegerField()
+    lost = serializers.IntegerField(help_text="of those, GPUs on a lost node")
     components = ComponentGpusSerializer(many=True)
 
 

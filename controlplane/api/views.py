@@ -40,6 +40,7 @@ from controlplane.api.tokens import issue_token, revoke_token
 from controlplane.audit import Actor
 from controlplane.models import ApiToken, AuditEvent
 from controlplane.roles import Role, role_of
+from jobs.models import Worker, WorkerState
 
 # --- identity ----------------------------------------------------------------------------------
 
@@ -200,6 +201,9 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
 
 # --- nodes and devices -------------------------------------------------------------------------
 
+# Workers that hold devices now or are about to; stopped ones no longer share a device.
+CURRENT_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
+
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     """GPU hosts: status, heartbeat, their devices by state and their mean utilisation."""
@@ -232,7 +236,16 @@ class DeviceViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_class = DeviceFilter
 
     def get_queryset(self) -> QuerySet[Device]:
-        return Device.objects.select_related("node", "worker__group__job").order_by("node__name", "index")
+        return (
+            Device.objects.select_related("node", "worker__group__job")
+            .prefetch_related(
+                Prefetch(
+                    "colocated_workers",
+                    queryset=Worker.objects.filter(state__in=CURRENT_WORKER_STATES).select_related("group"),
+                )
+            )
+            .order_by("node__name", "index")
+        )
 
 
 # --- cluster -----------------------------------------------------------------------------------

@@ -55,8 +55,10 @@ def run_tick(job_id: int) -> Tick | None:
     """Tick one job; None when another worker holds it or it is not running."""
     started = time.perf_counter()
     with transaction.atomic():
+        # NO KEY UPDATE: two ticks still exclude each other, but rows other transactions insert
+        # that point at the job (audit events, step reports) need not wait for the tick to end.
         job = (
-            Job.objects.select_for_update(skip_locked=True)
+            Job.objects.select_for_update(skip_locked=True, no_key=True)
             .filter(pk=job_id, state__in=(JobState.RUNNING, JobState.PAUSED_SCHEDULING))
             .first()
         )
@@ -75,9 +77,14 @@ def run_tick(job_id: int) -> Tick | None:
 
         in_flight = migrations.open_migration(job)
         if in_flight is not None:
-            migration = type(in_flight).objects.select_for_update().get(pk=in_flight.pk)
-            migrations.fail_stuck_steps(migration, now=now)
-            migrations.advance(migration)
+            # A step report holds the migration's lock and then needs the job's: never wait for it
+            # while holding the job (that order deadlocks). The report drives the migration itself.
+            migration = (
+                type(in_flight).objects.select_for_update(skip_locked=True).filter(pk=in_flight.pk).first()
+            )
+            if migration is not None:
+                migrations.fail_stuck_steps(migration, now=now)
+                migrations.advance(migration)
             outcome = "migration_in_flight"
         elif _iterations_done(job, signals):
             outcome = "finished"
@@ -230,7 +237,7 @@ def _complete(job: Job) -> None:
     from jobs.admission import admit_pending
 
     with transaction.atomic():
-        locked = Job.objects.select_for_update().get(pk=job.pk)
+        locked = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
         if locked.is_terminal:
             return
         services.transition(

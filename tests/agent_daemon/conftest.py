@@ -8,8 +8,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,8 @@ from agents.models import BootstrapToken
 from controlplane.models import hash_token
 from scheduler import telemetry
 from tests.agent_daemon.recording import read_calls
-from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
+from tests.services import REPO_ROOT, stop_process_tree
+from tests.stack import LiveServer
 
 RECORDING_BACKEND = "tests.agent_daemon.recording:RecordingBackend"
 
@@ -41,66 +40,17 @@ def clean_agent_keys(redis_reachable: None) -> Iterator[None]:
     drop()
 
 
-class LiveServer:
-    """daphne on a fixed port that can be stopped and started again (a control-plane restart)."""
-
-    def __init__(self, env: dict[str, str], logs: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            **env,
+@pytest.fixture
+def server(service_env: dict[str, str], tmp_path: Path) -> Iterator[LiveServer]:
+    live = LiveServer(
+        {
+            **service_env,
             "DJANGO_SETTINGS_MODULE": "controlplane.settings",
             "AGENT_HEARTBEAT_INTERVAL_S": "0.2",
             "AGENT_POLL_FALLBACK_S": "1",
-        }
-        self.logs = logs
-        self.starts = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def _answers(self) -> bool:
-        try:
-            urllib.request.urlopen(f"{self.url}/api/v1/agent/commands", timeout=1)
-        except urllib.error.HTTPError:
-            return True  # 401: it answers
-        except OSError:
-            return False
-        return True
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.logs / f"daphne-{self.starts}.log", "wb")  # noqa: SIM115 - the process owns it
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "controlplane.asgi:application",
-            ],
-            cwd=REPO_ROOT,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        assert wait_until(self._answers, timeout_s=30), self.log_text()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process_tree(self.proc)
-            self.proc = None
-        assert not self._answers()
-
-    def log_text(self) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in sorted(self.logs.glob("daphne-*.log")))
-
-
-@pytest.fixture
-def server(service_env: dict[str, str], tmp_path: Path) -> Iterator[LiveServer]:
-    live = LiveServer(service_env, tmp_path)
+        },
+        tmp_path,
+    )
     live.start()
     try:
         yield live

@@ -14,8 +14,12 @@ from pytest_django.fixtures import Settings
 
 from agents import services
 from agents.models import Device, DeviceStatus, Node, NodeStatus
+from controlplane.api.cluster import cluster_summary
+from controlplane.api.serializers import ClusterSummarySerializer
 from controlplane.audit import Actor
 from controlplane.models import AuditEvent
+from jobs import services as job_services
+from jobs.admission import admit_pending
 from jobs.models import Job, WorkerGroup
 from scheduler.models import Migration, MigrationState
 from scheduler.services import migrations
@@ -61,6 +65,8 @@ def test_silent_node_is_marked_lost_and_its_groups_flagged(cluster: tuple[dict[s
     _, job = cluster
     busy = {name for name in ("node-a", "node-b", "node-c") if groups_on(name, job)}
     lost_name = sorted(busy)[0]
+    owners = dict(Device.objects.filter(node__name=lost_name).values_list("uid", "worker__name"))
+    assert any(owners.values())
     silence(lost_name, 31)
     silence("node-c" if lost_name != "node-c" else "node-b", 29)  # late, but not yet lost
 
@@ -69,19 +75,21 @@ def test_silent_node_is_marked_lost_and_its_groups_flagged(cluster: tuple[dict[s
     lost = Node.objects.get(name=lost_name)
     assert lost.status == NodeStatus.LOST and "no heartbeat for" in lost.status_reason
     assert set(Node.objects.exclude(pk=lost.pk).values_list("status", flat=True)) == {NodeStatus.READY}
+    # Every device of the node says it is lost; owned ones keep their owner for when it comes back.
     devices = Device.objects.filter(node=lost)
-    assert set(devices.filter(worker__isnull=True).values_list("status", flat=True)) <= {DeviceStatus.LOST}
-    # Owned devices keep their owner for when the node comes back.
-    assert (
-        devices.filter(worker__isnull=False).count()
-        == Device.objects.filter(node=lost, worker__isnull=False).count()
-    )
+    assert set(devices.values_list("status", flat=True)) == {DeviceStatus.LOST}
+    assert dict(devices.values_list("uid", "worker__name")) == owners
+    assert event_devices_lost() == len(owners)
     flagged = set(WorkerGroup.objects.filter(job=job, flagged=True).values_list("name", flat=True))
     assert flagged == groups_on(lost_name, job) and flagged
     assert all(lost_name in g.flag_reason for g in WorkerGroup.objects.filter(flagged=True))
     event = AuditEvent.objects.get(verb="node.lost")
     assert event.actor == "liveness" and event.payload["previous_status"] == NodeStatus.READY
     assert services.detect_lost_nodes() == []  # already lost: nothing more to do
+
+
+def event_devices_lost() -> int:
+    return int(AuditEvent.objects.get(verb="node.lost").payload["devices_lost"])
 
 
 def test_free_devices_of_a_lost_node_are_lost(client: Client, bootstrap: str, settings: Settings) -> None:
@@ -150,3 +158,46 @@ def test_beat_task_marks_lost_nodes_through_a_real_worker(
     detect_lost_nodes.delay()
     assert wait_until(lambda: Node.objects.get(name="node-gone").status == NodeStatus.LOST, timeout_s=30)
     assert Migration.objects.count() == 0
+
+
+def summary() -> dict[str, Any]:
+    return dict(ClusterSummarySerializer(cluster_summary()).data)
+
+
+def test_lost_gpus_are_reported_never_admitted_and_come_back_free(
+    cluster: tuple[dict[str, Agent], Job],
+) -> None:
+    agents, job = cluster
+    waiting = submit(make_user("bob"), spec(rollout=8, actor=2))  # 10 GPUs: waits for the first job
+    assert waiting.state == "pending"
+    victim = sorted(n for n in agents if groups_on(n, job))[0]
+    owned = Device.objects.filter(node__name=victim, worker__isnull=False).count()
+    silence(victim, 120)
+    assert services.detect_lost_nodes() == [victim]
+
+    gpus = summary()["gpus"]
+    # 12 GPUs: the job's 8, four free; all four of the victim's are lost now, owned or not.
+    assert gpus["by_status"] == {"free": owned, "allocated": 8 - owned, "lost": 4}
+    [entry] = gpus["by_job"]
+    assert (entry["job"], entry["gpus"], entry["lost"]) == (job.pk, 8, owned)
+    assert sum(c["lost"] for c in entry["components"]) == owned
+
+    # The job ends while the node is away: the other nodes' devices are freed at once, the lost
+    # node's when its agent reports the stop; they stay lost, so the waiting job cannot have them.
+    job_services.cancel_job(job.pk, Actor.for_user(job.owner))
+    run_everywhere({h: a for h, a in agents.items() if h != victim})
+    run_everywhere({victim: agents[victim]})
+    on_victim = Device.objects.filter(node__name=victim)
+    assert set(on_victim.values_list("status", flat=True)) == {DeviceStatus.LOST}
+    assert not on_victim.filter(worker__isnull=False).exists()
+    assert admit_pending(actor=Actor.scheduler()) == []
+    waiting.refresh_from_db()
+    assert waiting.state == "pending"
+    assert summary()["gpus"]["by_status"] == {"free": 8, "allocated": 0, "lost": 4}
+
+    # Back: its devices are free again and the waiting job is admitted.
+    assert agents[victim].heartbeat({"sent_at": time.time()}).json()["recovered"] is True
+    assert set(on_victim.values_list("status", flat=True)) - {DeviceStatus.ALLOCATED} <= {DeviceStatus.FREE}
+    waiting.refresh_from_db()
+    assert waiting.state == "admitted"
+    assert summary()["gpus"]["by_status"] == {"free": 2, "allocated": 10, "lost": 0}

@@ -46,6 +46,8 @@ def read_urls(history: dict[str, Any]) -> list[str]:
         f"/api/v1/snapshots/?job={job.pk}",
         f"/api/v1/snapshots/{history['snapshots'][0].pk}/",
         f"/api/v1/snapshots/latest/?job={job.pk}",
+        f"/api/v1/jobs/{job.pk}/timeline/",
+        f"/api/v1/jobs/{job.pk}/telemetry/",
         f"/api/v1/decisions/?job={job.pk}",
         f"/api/v1/decisions/{history['decision'].pk}/",
         "/api/v1/migrations/",

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from agents.backends.base import StepFailed
 from agents.backends.sim import ManualClock, SimBackend
@@ -284,6 +285,49 @@ def test_a_finished_job_does_not_advance(job: Job) -> None:
     job.refresh_from_db()
     assert job.iteration == 0
     assert progress.advance_iteration(job.pk, Actor.system("test")) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_shared_picture_is_kept_between_heartbeats_and_follows_every_committed_change() -> None:
+    """Outside a transaction each job's database picture is kept between heartbeats and rebuilt
+    when something the replies show changes: bulk updates count as much as services do."""
+    make_cluster({"node-a": ("H100", 4), "node-b": ("H100", 4)})
+    running = mark_running(submit(make_user("carol"), small_spec()))
+    place(
+        running,
+        {
+            "rollout-w0": "node-a/gpu0",
+            "rollout-w1": "node-b/gpu0",
+            "actor-w0": "node-a/gpu1",
+            "actor-w1": "node-b/gpu1",
+        },
+    )
+    members = [f"j{running.pk}-rollout-w0", f"j{running.pk}-rollout-w1"]
+    first = progress.reply_for(node("node-a"))[str(running.pk)]
+    kept = progress._pictures[running.pk]
+    assert first["groups"]["rollout"]["workers"] == members
+    # What telemetry and the tick write every second changes nothing the replies show.
+    Worker.objects.filter(group__job=running).update(utilisation=0.5)
+    Job.objects.filter(pk=running.pk).update(tokens_per_s=123.0, last_tick_at=timezone.now())
+    progress.record(node("node-b"), report(running, rollout=7))
+    again = progress.reply_for(node("node-b"))[str(running.pk)]
+    assert progress._pictures[running.pk] is kept
+    assert again["groups"]["rollout"]["completed"] == 7  # the nodes' reports are read fresh
+
+    Worker.objects.filter(name=members[1]).update(state=WorkerState.STOPPED)
+    assert progress.reply_for(node("node-a"))[str(running.pk)]["groups"]["rollout"]["workers"] == members[:1]
+    open_migration(running, [{"kind": "pause_workers", "worker_ids": [members[0]]}], ["node-c/gpu0"])
+    # The only member left is leaving: it stays listed rather than leaving the group empty.
+    assert progress.reply_for(node("node-a"))[str(running.pk)]["groups"]["rollout"]["workers"] == members[:1]
+    Migration.objects.filter(job=running).update(state=MigrationState.COMMITTED)
+    Job.objects.filter(pk=running.pk).update(iteration=2)
+    view = progress.reply_for(node("node-a"))[str(running.pk)]
+    assert view["iteration"] == 2 and sorted(view["partitions"]) == ["2"]
+    job_spec = dict(running.spec, workload={**running.spec["workload"], "prompts_per_iteration": 4})
+    Job.objects.filter(pk=running.pk).update(spec=job_spec)
+    assert progress.reply_for(node("node-a"))[str(running.pk)]["groups"]["actor"]["total"] == 16
+    Job.objects.filter(pk=running.pk).update(state="cancelled")
+    assert progress.reply_for(node("node-a"))[str(running.pk)]["state"] == "cancelled"
 
 
 # --- sim agents coordinated through the control plane ------------------------------------------------

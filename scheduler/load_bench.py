@@ -1,0 +1,481 @@
+"""The scale benchmark: many simulated GPU hosts against one control plane, the whole loop live.
+
+    python -m scheduler.load_bench                                  # 128 nodes x 8 GPUs, 4 jobs, 120 s
+    python -m scheduler.load_bench --nodes 2 --jobs 1 --gpus-per-job 8 --duration 5   # a smoke run
+
+Against the configured DATABASE_URL and REDIS_URL (apply migrations first, or pass --migrate), it
+starts the control plane as deployed: daphne (one process per core on one listening socket of
+127.0.0.1), a Celery worker and Celery beat. It then starts the node agents: the real agent
+daemon (``agents.daemon``) with the ``sim`` backend, many agents per process (``--agent-processes``
+processes, each running its share of the agents on threads), speaking the agent protocol over
+HTTP: register, heartbeats with telemetry, command long-polls, step reports. Once every node is
+ready it submits ``--jobs`` jobs under the ``dynarl`` policy, waits until they run, and measures for
+``--duration`` seconds: the tick durations the Tick rows record, the telemetry the heartbeats got
+accepted, the heartbeats' latency as the agents saw it, the agents' command backlog (queued and
+delivered-but-unanswered AgentCommand rows, sampled every second), and the decisions and
+migrations made. It prints one table. Everything it created is deleted afterwards unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- the agents' side: many daemons in one process (no Django here) -------------------------------
+
+
+def run_agent_host(
+    hosts: list[str], url: str, token_file: Path, state_root: Path, options: dict[str, Any], stats_file: Path
+) -> int:
+    """Run one real agent daemon per host on threads until SIGTERM; then write what the
+    heartbeats saw (sent at, latency, samples accepted) to ``stats_file``."""
+    from agents.daemon.client import ControlPlaneClient
+    from agents.daemon.config import AgentConfig, configure_logging
+    from agents.daemon.loop import Agent
+
+    configure_logging("WARNING")
+    beats: list[tuple[float, float, int, int]] = []
+    failures: list[tuple[float, str]] = []
+    lock = threading.Lock()
+
+    class TimedClient(ControlPlaneClient):
+        """The daemon's client, timing each heartbeat it sends."""
+
+        def request(self, method: str, path: str, **kwargs: Any) -> Any:
+            if path != HEARTBEAT_PATH:
+                return super().request(method, path, **kwargs)
+            sent, began = time.time(), time.perf_counter()
+            try:
+                reply = super().request(method, path, **kwargs)
+            except Exception as exc:
+                with lock:
+                    failures.append((sent, type(exc).__name__))
+                raise
+            latency_ms = (time.perf_counter() - began) * 1000
+            with lock:
+                beats.append(
+                    (
+                        sent,
+                        latency_ms,
+                        int(reply.get("accepted_devices", 0)),
+                        int(reply.get("accepted_samples", 0)),
+                    )
+                )
+            return reply
+
+    class HostedAgent(Agent):
+        """An agent among many in this process: the process's signal handler stops them all."""
+
+        def __init__(self, config: AgentConfig) -> None:
+            super().__init__(config)
+            self.client = TimedClient(config.url, user_agent=self.client.user_agent)
+
+        def install_signal_handlers(self) -> None:
+            pass
+
+    bootstrap = token_file.read_text().strip()
+    agents = [
+        HostedAgent(
+            AgentConfig(
+                url=url,
+                bootstrap_token=bootstrap,
+                backend="sim",
+                host=host,
+                state_dir=state_root / host,
+                backend_options={**options, "seed": i},
+                nvml=False,
+                log_level="WARNING",
+                shutdown_grace_s=5.0,
+            )
+        )
+        for i, host in enumerate(hosts)
+    ]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threads = [threading.Thread(target=agent.run, name=agent.config.host, daemon=True) for agent in agents]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)  # not all registrations in the same instant
+    stop.wait()
+    for agent in agents:
+        agent.stopping.set()
+    for thread in threads:
+        thread.join(30)
+    with lock:
+        stats_file.write_text(json.dumps({"beats": beats, "failures": failures}))
+    return 0
+
+
+# --- the control plane's side ---------------------------------------------------------------------
+
+
+def job_spec(tag: str, index: int, hardware: str, gpus: int, speed_iterations: int) -> dict[str, Any]:
+    """A math-RL job under dynarl whose rollout drains into a long tail every iteration."""
+    actor = max(1, gpus // 4)
+    return {
+        "name": f"{tag}-job{index}",
+        "model": {"name": "load-1.5b", "params_b": 1.5},
+        "workload": {
+            "kind": "math",
+            "iterations": speed_iterations,
+            "prompts_per_iteration": 32 * gpus,
+            "samples_per_prompt": 8,
+            "max_new_tokens": 8192,
+        },
+        "components": [
+            {
+                "name": "rollout",
+                "kind": "rollout",
+                "workers": gpus - actor,
+                "min_workers": 1,
+                "hardware": [hardware],
+            },
+            {
+                "name": "actor",
+                "kind": "actor",
+                "workers": actor,
+                "min_workers": 1,
+                "max_workers": gpus - 1,
+                "depends_on": ["rollout"],
+                "hardware": [hardware],
+            },
+        ],
+        "policy": {"name": "dynarl", "params": {"u_low": 0.2, "sustain_s": 3.0, "cooldown_s": 10.0}},
+    }
+
+
+def start_celery(kind: str, workdir: Path, tag: str, concurrency: int) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "celery", "-A", "controlplane", kind, "--loglevel", "WARNING"]
+    if kind == "worker":
+        args += [
+            "--concurrency",
+            str(concurrency),
+            "--hostname",
+            f"{tag}@%h",
+            "--without-mingle",
+            "--without-gossip",
+        ]
+    else:
+        args += ["--schedule", str(workdir / "celerybeat-schedule")]
+    log = open(workdir / f"{kind}.log", "wb")  # noqa: SIM115 - the process holds it until it ends
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+    return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def wait_for(
+    predicate: Any, timeout_s: float, what: str, processes: Sequence[subprocess.Popen[bytes]], workdir: Path
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if any(p.poll() is not None for p in processes):
+            raise SystemExit(f"a process ended while waiting for {what}; its logs are in {workdir}")
+        time.sleep(0.5)
+    raise SystemExit(f"timed out after {timeout_s:g} s waiting for {what}; logs in {workdir}")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    from scheduler.telemetry_bench import percentile as pick
+
+    return pick(values, q)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scheduler.load_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--gpus-per-job", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds measured once the jobs run")
+    parser.add_argument("--speed", type=float, default=4.0, help="sim seconds per wall second")
+    parser.add_argument("--agent-processes", type=int, default=4, help="processes the agents share")
+    parser.add_argument("--servers", type=int, default=os.cpu_count() or 1, help="daphne processes")
+    parser.add_argument("--worker-concurrency", type=int, default=2, help="Celery worker processes")
+    parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
+    parser.add_argument("--keep", action="store_true", help="leave the nodes, jobs and rows in place")
+    # The agents' processes run this module again with these:
+    parser.add_argument("--agent-host", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--state-root", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--stats-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--hosts", help=argparse.SUPPRESS)
+    parser.add_argument("--hardware", help="the simulated GPUs' type (default H800)")
+    args = parser.parse_args(argv)
+    if args.agent_host:
+        return run_agent_host(
+            args.hosts.split(","),
+            args.url,
+            args.token_file,
+            args.state_root,
+            {"gpus": args.gpus, "hardware": args.hardware, "speed": args.speed},
+            args.stats_file,
+        )
+    if args.jobs * args.gpus_per_job > args.nodes * args.gpus:
+        parser.error("the jobs need more GPUs than the nodes have")
+    return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    import django
+
+    django.setup()
+    import psutil
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+    from django.utils import timezone
+
+    from agents.models import AgentCommand, BootstrapToken, CommandState, Node, NodeStatus
+    from controlplane.audit import Actor
+    from controlplane.models import hash_token
+    from jobs.models import Job, JobState
+    from jobs.services import submit_job
+    from scheduler import progress
+    from scheduler.models import Migration, SchedulingDecision, Tick
+    from scheduler.telemetry_bench import Run, cleanup, listening_socket, start_servers, stop_servers, table
+
+    if args.migrate:
+        call_command("migrate", verbosity=0)
+    else:
+        executor = MigrationExecutor(connection)
+        if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+            print(
+                "the configured database has unapplied migrations; run migrate or pass --migrate",
+                file=sys.stderr,
+            )
+            return 2
+
+    tag = f"load{secrets.token_hex(3)}"
+    # The sim backend models known hardware types only; H800 keeps the jobs off other H100 hosts.
+    run = Run(tag=tag, hardware=args.hardware or "H800", bootstrap_raw=secrets.token_urlsafe(24))
+    BootstrapToken.objects.create(name=tag, key_hash=hash_token(run.bootstrap_raw))
+    hosts = [f"{tag}-n{i:03d}" for i in range(args.nodes)]
+    workdir = Path(tempfile.mkdtemp(prefix=f"dynarl-{tag}-"))
+    token_file = workdir / "bootstrap-token"
+    token_file.write_text(run.bootstrap_raw)
+    token_file.chmod(0o600)
+    sock = listening_socket()
+    port = int(sock.getsockname()[1])
+    server_log = open(workdir / "daphne.log", "w+b")  # noqa: SIM115 - closed below
+    servers: list[subprocess.Popen[bytes]] = []
+    celery: list[subprocess.Popen[bytes]] = []
+    agent_hosts: list[tuple[subprocess.Popen[bytes], Path]] = []
+    backlog: list[tuple[int, int]] = []
+    began_setup = time.monotonic()
+    finished_cleanly = False
+    try:
+        servers = start_servers(sock, args.servers, server_log)
+        celery = [
+            start_celery("worker", workdir, tag, args.worker_concurrency),
+            start_celery("beat", workdir, tag, 0),
+        ]
+        shares = max(1, min(args.agent_processes, args.nodes))
+        for p in range(shares):
+            stats = workdir / f"agents-{p}.json"
+            log = open(workdir / f"agents-{p}.log", "wb")  # noqa: SIM115 - the process holds it
+            command = [
+                sys.executable, "-m", "scheduler.load_bench", "--agent-host",
+                "--url", f"http://127.0.0.1:{port}", "--token-file", str(token_file),
+                "--state-root", str(workdir / "agents"), "--stats-file", str(stats),
+                "--hosts", ",".join(hosts[p::shares]), "--gpus", str(args.gpus),
+                "--hardware", run.hardware, "--speed", str(args.speed),
+            ]  # fmt: skip
+            agent_hosts.append(
+                (subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), stats)
+            )
+        nodes = Node.objects.filter(name__startswith=f"{tag}-", status=NodeStatus.READY)
+        watched = [*servers, *celery, *(proc for proc, _ in agent_hosts)]
+        wait_for(
+            lambda: nodes.count() == args.nodes, 60 + args.nodes, f"{args.nodes} nodes", watched, workdir
+        )
+
+        owner = get_user_model().objects.create_user(username=f"{tag}-owner")
+        for j in range(args.jobs):
+            spec = job_spec(tag, j, run.hardware, args.gpus_per_job, 1000)
+            run.job_ids.append(submit_job(owner=owner, source=spec, actor=Actor.system("load-bench")).job.pk)
+        jobs = Job.objects.filter(pk__in=run.job_ids)
+        wait_for(
+            lambda: jobs.filter(state=JobState.RUNNING).count() == args.jobs,
+            180,
+            "the jobs",
+            watched,
+            workdir,
+        )
+        setup_s = time.monotonic() - began_setup
+
+        iterations_before = sum(jobs.values_list("iteration", flat=True))
+        psutil.cpu_percent(None)
+        window_start = timezone.now()
+        started = time.time()
+        commands = AgentCommand.objects.filter(node__name__startswith=f"{tag}-")
+        while time.time() - started < args.duration:
+            backlog.append(
+                (
+                    commands.filter(state=CommandState.QUEUED).count(),
+                    commands.filter(state=CommandState.DELIVERED).count(),
+                )
+            )
+            time.sleep(1.0)
+        window_end = timezone.now()
+        ended = time.time()
+        machine_cpu = psutil.cpu_percent(None)
+        iterations = sum(jobs.values_list("iteration", flat=True)) - iterations_before
+        in_window = {"job__in": run.job_ids}
+        ticks = list(
+            Tick.objects.filter(**in_window, started_at__gte=window_start, started_at__lt=window_end)
+            .exclude(outcome="running")
+            .values_list("duration_ms", flat=True)
+        )
+        tick_outcomes: dict[str, int] = {}
+        for outcome in Tick.objects.filter(
+            **in_window, started_at__gte=window_start, started_at__lt=window_end
+        ).values_list("outcome", flat=True):
+            tick_outcomes[outcome] = tick_outcomes.get(outcome, 0) + 1
+        decisions = SchedulingDecision.objects.filter(
+            **in_window, at__gte=window_start, at__lt=window_end
+        ).count()
+        migrations = Migration.objects.filter(
+            **in_window, created_at__gte=window_start, created_at__lt=window_end
+        )
+        finished: dict[str, int] = {}
+        for state in Migration.objects.filter(
+            **in_window, finished_at__gte=window_start, finished_at__lt=window_end
+        ).values_list("state", flat=True):
+            finished[state] = finished.get(state, 0) + 1
+        migrations_started = migrations.count()
+        for proc, _ in agent_hosts:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in agent_hosts:
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        finished_cleanly = True
+    finally:
+        for proc, _ in agent_hosts:
+            stop_process(proc)
+        for proc in celery:
+            stop_process(proc)
+        stop_servers(servers)
+        sock.close()
+        if not args.keep:
+            for job in Job.objects.filter(pk__in=run.job_ids):
+                progress.forget_job(job)
+            cleanup(run)
+        server_log.seek(0)
+        logged = server_log.read().decode(errors="replace").splitlines()
+        server_log.close()
+
+    beats: list[list[float]] = []
+    failures: list[list[Any]] = []
+    for _, stats in agent_hosts:
+        if stats.exists():
+            data = json.loads(stats.read_text())
+            beats += data["beats"]
+            failures += data["failures"]
+    if finished_cleanly and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)  # logs stay for a run that failed
+    measured = [b for b in beats if started <= b[0] < ended]
+    failed = [f for f in failures if started <= f[0] < ended]
+    elapsed = ended - started
+    latencies = [b[1] for b in measured]
+    readings = sum(int(b[2]) for b in measured)
+    samples = sum(int(b[3]) for b in measured)
+    queued = [q for q, _ in backlog]
+    delivered = [d for _, d in backlog]
+    problems = [line for line in logged if " ERROR " in line or "Traceback" in line]
+    gpus = args.nodes * args.gpus
+    rows = [
+        (
+            "GPUs (nodes x GPUs)",
+            f"{gpus} ({args.nodes} x {args.gpus}), agents in {len(agent_hosts)} processes",
+        ),
+        ("jobs (GPUs each, policy)", f"{args.jobs} ({args.gpus_per_job}, dynarl), sim speed {args.speed:g}x"),
+        ("control plane", f"{args.servers} daphne, 1 Celery worker (x{args.worker_concurrency}), beat"),
+        ("measured", f"{elapsed:.0f} s, after {setup_s:.0f} s of setup"),
+        (
+            "ticks recorded (outcomes)",
+            f"{len(ticks)} ({', '.join(f'{k} {v}' for k, v in sorted(tick_outcomes.items()))})",
+        ),
+        (
+            "tick duration p50 / p99 / max (ms)",
+            " / ".join(f"{percentile(ticks, q):.0f}" for q in (0.5, 0.99, 1.0)),
+        ),
+        ("heartbeats ok / failed", f"{len(measured)} / {len(failed)} ({len(measured) / elapsed:.1f}/s)"),
+        (
+            "telemetry ingested (samples/s)",
+            f"{(readings + samples) / elapsed:.0f} ({readings / elapsed:.0f} GPU readings + "
+            f"{samples / elapsed:.0f} worker samples)",
+        ),
+        (
+            "heartbeat latency p50 / p99 / max (ms)",
+            " / ".join(f"{percentile(latencies, q):.0f}" for q in (0.5, 0.99, 1.0)),
+        ),
+        (
+            "command backlog queued p50 / max",
+            f"{percentile(queued, 0.5):.0f} / {max(queued, default=0)}",
+        ),
+        (
+            "commands delivered, unanswered p50 / max",
+            f"{percentile(delivered, 0.5):.0f} / {max(delivered, default=0)}",
+        ),
+        ("decisions made", str(decisions)),
+        (
+            "migrations started / finished",
+            f"{migrations_started} / {sum(finished.values())}"
+            + (f" ({', '.join(f'{k} {v}' for k, v in sorted(finished.items()))})" if finished else ""),
+        ),
+        ("iterations completed (all jobs)", str(iterations)),
+        ("machine CPU busy (all processes)", f"{machine_cpu:.0f}% of {psutil.cpu_count()} cores"),
+        ("server log: errors / tracebacks", str(len(problems))),
+    ]
+    print(f"Scale benchmark, started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}")
+    print(table(rows))
+    if failed:
+        kinds: dict[str, int] = {}
+        for _, kind in failed:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        print("heartbeat failures: " + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())))
+    if problems:
+        print("server log (first problem):")
+        print("\n".join(logged[logged.index(problems[0]) :][:40]))
+    return 0 if measured and not problems else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
