@@ -143,8 +143,12 @@ class Heartbeater:
         buffer: TelemetryBuffer,
         backoff: Backoff,
         on_fatal: Callable[[BaseException], None],
+        on_recovered: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
+        # The control plane had given this node up for lost: what it runs may no longer be what
+        # the control plane expects (its migrations went on without it).
+        self.on_recovered = on_recovered
         self.backend = backend
         self.nvml = nvml
         self.registered = list(registered)
@@ -195,6 +199,9 @@ class Heartbeater:
         if status != self.node_status:
             log.info("control plane: node %s is %s", self.session.config.host, status)
             self.node_status = status
+        if reply.get("recovered") is True and self.on_recovered is not None:
+            log.warning("the control plane had marked node %s lost; reconciling", self.session.config.host)
+            self.on_recovered()
         rejected = reply.get("rejected") or []
         if rejected != self.last_rejected:
             # Usual for a moment after a worker stops or moves; said once, not every beat.

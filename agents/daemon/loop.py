@@ -227,6 +227,7 @@ class Agent:
             result = reconcile(backend, registration, runner.worker_jobs)
             log.info("reconciled: %d stopped, %d launched again", len(result.stopped), len(result.relaunched))
 
+        recovered = threading.Event()
         heartbeater = Heartbeater(
             session,
             backend,
@@ -235,8 +236,15 @@ class Agent:
             TelemetryBuffer(max_samples=self.config.max_buffered_samples),
             self.backoff,
             on_fatal=self._fail,
+            on_recovered=recovered.set,
         )
         heartbeater.start()
+        threading.Thread(
+            target=self._reconcile_after_recovery,
+            args=(recovered, session, backend, runner),
+            name="reconcile",
+            daemon=True,
+        ).start()
         commands = threading.Thread(
             target=self._command_loop, args=(session, runner), name="commands", daemon=True
         )
@@ -250,6 +258,42 @@ class Agent:
 
         self.stopping.wait()
         return self._shutdown(runner, heartbeater)
+
+    def _reconcile_after_recovery(
+        self,
+        recovered: threading.Event,
+        session: AgentSession,
+        backend: ExecutionBackend,
+        runner: CommandRunner,
+    ) -> None:
+        """When the control plane reports the node back from lost, register again and reconcile,
+        as after a restart: meanwhile its migrations rolled back or went on without this node.
+        Only with no command in hand, so a step being carried out is never undercut."""
+        while not self.stopping.is_set():
+            if not recovered.wait(0.5):
+                continue
+            while not self.stopping.is_set() and not runner.wait_idle(0.5):
+                pass
+            if self.stopping.is_set():
+                return
+            recovered.clear()
+            try:
+                registration = session.register()
+            except GaveUp:
+                return
+            except RegistrationRefused as exc:
+                log.error("registration refused after the node came back: %s", exc)
+                self._fail(exc)
+                return
+            except Exception:
+                log.exception("registering again after the node came back failed")
+                continue
+            result = reconcile(backend, registration, runner.worker_jobs)
+            log.info(
+                "reconciled after the node came back: %d stopped, %d launched again",
+                len(result.stopped),
+                len(result.relaunched),
+            )
 
     def _shutdown(self, runner: CommandRunner, heartbeater: Heartbeater) -> int:
         grace_end = time.monotonic() + self.config.shutdown_grace_s

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agents.models import AgentCommand, CommandState, Device, DeviceStatus, Node, NodeStatus
+from agents.models import AgentCommand, CommandState, Device, DeviceStatus, Node, NodeStatus, release_devices
 from controlplane import audit, events
 from controlplane.audit import Actor
 from jobs.models import Job, JobState, Worker, WorkerGroup, WorkerState
@@ -32,6 +32,7 @@ from scheduler.core.migration import (
     StepKind,
     plan_migration,
 )
+from scheduler.core.migration import StepState as CoreStepState
 from scheduler.models import (
     OPEN_MIGRATION_STATES,
     Migration,
@@ -77,6 +78,85 @@ def reserved_device_uids() -> set[str]:
     ):
         uids.update(device_uids)
     return uids
+
+
+# Steps after which the listed workers no longer run on their agents, though the database lists
+# them live until the migration finishes.
+RELEASING_KINDS = (StepKind.STOP_WORKERS, StepKind.RELEASE_DEVICES, StepKind.DESTROY_OLD)
+
+
+def workers_released_in_flight() -> set[str]:
+    """Workers an open migration has already stopped or released on their agents (and not started
+    again by a compensation). A restarted agent must not launch them again: the migration's
+    outcome, not the agent, decides what becomes of their devices."""
+    done = list(
+        MigrationStep.objects.filter(
+            migration__state__in=OPEN_MIGRATION_STATES,
+            is_rollback=False,
+            state=StepState.DONE,
+            kind__in=[k.value for k in RELEASING_KINDS],
+        ).values_list("migration_id", "index", "worker_names")
+    )
+    if not done:
+        return set()
+    restarted = set(
+        MigrationStep.objects.filter(
+            migration_id__in={m for m, _, _ in done}, is_rollback=True, state=StepState.DONE
+        ).values_list("migration_id", "index")
+    )
+    # A compensation's row is numbered 1000 after the step it undoes.
+    return {w for m, index, names in done if (m, 1000 + index) not in restarted for w in names}
+
+
+def workers_switched_in_flight(node: Node) -> list[dict[str, Any]]:
+    """New workers on ``node`` of open migrations whose side has passed its switch: they run and
+    belong to their group (the membership changed at the switch), though their rows are created
+    only at the commit. A restarted agent launches them again like any running worker, in the
+    registration reply's shape."""
+    found: list[dict[str, Any]] = []
+    for migration in Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).order_by("pk"):
+        plan, execution = _load(migration)
+        for step in plan.steps:
+            if step.kind is not StepKind.START_WORKERS or not _past_point_of_no_return(
+                plan, execution, step.group_id
+            ):
+                continue
+            group = WorkerGroup.objects.get(job_id=migration.job_id, name=step.group_id)
+            devices = {d.uid: d for d in Device.objects.filter(uid__in=step.device_ids, node=node)}
+            for worker, device_uids in step.devices_by_worker().items():
+                if any(uid in devices for uid in device_uids):
+                    found.append(
+                        {
+                            "worker": worker,
+                            "job": migration.job_id,
+                            "group": group.name,
+                            "kind": group.kind,
+                            "state": WorkerState.RUNNING,
+                            "devices": [
+                                {"uid": d.uid, "index": d.index, "hardware": d.hardware}
+                                for d in sorted(
+                                    (devices[u] for u in device_uids if u in devices), key=lambda d: d.index
+                                )
+                            ],
+                            "tp": group.tp,
+                            "pp": group.pp,
+                        }
+                    )
+    return found
+
+
+def _past_point_of_no_return(
+    plan: MigrationPlan, execution: PlanExecution, group: str, *, before: int | None = None
+) -> bool:
+    """``group``'s side passed its point of no return (before step index ``before``, if given): it
+    can only roll forward."""
+    return any(
+        s.point_of_no_return
+        and s.group_id == group
+        and (before is None or s.index < before)
+        and execution.step_state(s.step_id) is CoreStepState.DONE
+        for s in plan.steps
+    )
 
 
 # --- creating ----------------------------------------------------------------------------------
@@ -188,7 +268,9 @@ def advance(migration: Migration) -> None:
         if migration.state == MigrationState.PLANNED:
             migration.started_at = timezone.now()
             _set_state(migration, MigrationState.RUNNING)
-        nodes = _reachable_nodes(row)
+        nodes = _reachable_nodes(
+            row, rolls_forward=_past_point_of_no_return(plan, execution, step.group_id, before=step.index)
+        )
         if nodes is None:
             execution.report(step.step_id, False, "a node this step needs is lost")
             _mark(row, StepState.FAILED, error="a node this step needs is lost", attempts=row.attempts + 1)
@@ -262,12 +344,14 @@ def _step_row(migration: Migration, step: PlannedStep) -> MigrationStep:
     )
 
 
-def _reachable_nodes(row: MigrationStep) -> list[Node] | None:
+def _reachable_nodes(row: MigrationStep, *, rolls_forward: bool) -> list[Node] | None:
     """The ready nodes that must run the step; None when a forward step needs a lost node.
-    A compensation skips lost nodes: what it would undo died with them."""
+    A compensation skips lost nodes: what it would undo died with them. So does a step of a side
+    past its point of no return: what it would stop or drop there (old process groups, released
+    workers) died with the node, and the side must go through."""
     nodes = list(Node.objects.filter(name__in=row.nodes))
     lost = [n for n in nodes if n.status == NodeStatus.LOST]
-    if lost and not row.is_rollback:
+    if lost and not (row.is_rollback or rolls_forward):
         return None
     return [n for n in nodes if n.status != NodeStatus.LOST]
 
@@ -446,7 +530,7 @@ def _apply_ownership(migration: Migration, plan: MigrationPlan, committed: set[s
     if decision.donor and decision.donor in committed:
         leaving = _step_workers(plan, decision.donor, (StepKind.RELEASE_DEVICES,))
         Worker.objects.filter(name__in=leaving).update(state=WorkerState.STOPPED, stopped_at=timezone.now())
-        Device.objects.filter(uid__in=moved).update(worker=None, status=DeviceStatus.FREE)
+        release_devices(Device.objects.filter(uid__in=moved))
     if decision.recipient and decision.recipient in committed:
         group = WorkerGroup.objects.get(job=migration.job, name=decision.recipient)
         start = next(
@@ -456,7 +540,12 @@ def _apply_ownership(migration: Migration, plan: MigrationPlan, committed: set[s
             worker = Worker.objects.create(
                 group=group, name=worker_name, state=WorkerState.RUNNING, started_at=timezone.now()
             )
-            Device.objects.filter(uid__in=device_ids).update(worker=worker, status=DeviceStatus.ALLOCATED)
+            # A device on a lost node stays lost, owned, until its node comes back.
+            on_device = Device.objects.filter(uid__in=device_ids)
+            on_device.filter(node__status=NodeStatus.LOST).update(worker=worker, status=DeviceStatus.LOST)
+            on_device.exclude(node__status=NodeStatus.LOST).update(
+                worker=worker, status=DeviceStatus.ALLOCATED
+            )
     del devices  # locked for the transaction's duration
 
 

@@ -421,3 +421,33 @@ def test_sigterm_while_the_control_plane_is_unreachable_at_start(agent: AgentPro
     assert agent.running()  # it keeps trying
     agent.signal()
     assert agent.wait() == 0
+
+
+def test_a_node_back_from_lost_registers_again_and_reconciles(agent: AgentProcess) -> None:
+    from datetime import timedelta
+
+    from agents.models import release_devices
+    from agents.services import mark_node_lost
+
+    agent.start()
+    node = registered(agent)
+    job = running_job(agent)
+    names = sorted(Worker.objects.filter(group__job=job).values_list("name", flat=True))
+    # The control plane gives the node up for lost and, meanwhile, one of its workers is stopped
+    # without it (as a migration going on without the node would).
+    now = timezone.now()
+    assert mark_node_lost(node.pk, cutoff=now + timedelta(seconds=60), now=now) is not None
+    gone = names[0]
+    Worker.objects.filter(name=gone).update(state=WorkerState.STOPPED, stopped_at=now)
+    release_devices(Device.objects.filter(worker__name=gone))
+
+    # Its next heartbeat brings the node back; the agent registers again and stops that worker.
+    eventually(
+        lambda: any(c["workers"] == [gone] for c in agent.calls("stop_workers")),
+        agent,
+        "the agent did not reconcile after its node came back",
+    )
+    assert "reconciled after the node came back: 1 stopped, 0 launched again" in agent.log_text()
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.READY
+    assert AuditEvent.objects.filter(verb="node.reregister", object_id=str(node.pk)).exists()
+    assert agent.running()

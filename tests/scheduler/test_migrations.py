@@ -241,3 +241,80 @@ def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Jo
     take_back = MigrationStep.objects.get(kind="take_back_requests")
     # Every node that took requests back contributed its list.
     assert handed == taken * len(take_back.nodes)
+
+
+def deliver_until(kind: str) -> None:
+    """Answer every queued step command ok until a step of ``kind`` is dispatched."""
+    for _ in range(50):
+        commands = queued_step_commands()
+        if any(c.payload["step"]["kind"] == kind for c in commands):
+            return
+        assert commands, f"no {kind} step was dispatched"
+        for c in commands:
+            migrations.report_step(
+                c.node, c.payload["step"]["step_id"], ok=True, attempt=c.payload["attempt"]
+            )
+    raise AssertionError(f"no {kind} step")
+
+
+def test_a_node_lost_after_the_switch_is_skipped_and_the_migration_commits(running_job: Job) -> None:
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    moved = set(migration.device_uids)
+    before_actor = group_devices(running_job, "actor")
+    deliver_until("destroy_old")  # the actor's switch is done: its side only rolls forward
+    target = queued_step_commands()[0].node
+    Node.objects.filter(pk=target.pk).update(status=NodeStatus.LOST)
+    target.refresh_from_db()
+    migrations.roll_back_node(target, Actor.system("liveness"))
+    deliver_all()
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.COMMITTED, migration.error
+    assert group_devices(running_job, "actor") == before_actor | moved
+    assert not migration.steps.filter(is_rollback=True).exists()
+
+
+def test_workers_an_open_migration_released_are_not_expected_on_their_node(running_job: Job) -> None:
+    from agents.services import expected_workers
+
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    release = migration.steps.get(kind="release_devices")
+    leaving = set(release.worker_names)
+    assert migrations.workers_released_in_flight() == set()
+    deliver_until("reserve_devices")  # release_devices is done; the migration is still open
+    assert migrations.workers_released_in_flight() == leaving
+    node = Node.objects.get(name=release.nodes[0])
+    expected = {w["worker"] for w in expected_workers(node)[0]}
+    assert not expected & leaving
+    # Still live in the database until the migration finishes.
+    assert Worker.objects.filter(name__in=leaving, state=WorkerState.RUNNING).count() == len(leaving)
+    deliver_all()
+    assert migrations.workers_released_in_flight() == set()
+
+
+def test_new_workers_past_the_switch_are_expected_on_their_node_before_the_commit(running_job: Job) -> None:
+    from agents.services import expected_workers
+
+    migration = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    start = migration.steps.get(kind="start_workers")
+    new_workers = set(start.worker_names)
+    nodes = Node.objects.filter(devices__uid__in=start.device_uids).distinct()
+
+    def expected_new() -> set[str]:
+        return {w["worker"] for node in nodes for w in expected_workers(node)[0]} & new_workers
+
+    deliver_until("switch")  # started, not switched: the agents do not run them as members yet
+    assert expected_new() == set()
+    deliver_until("destroy_old")  # switched: they run, though their rows come at the commit
+    assert not Worker.objects.filter(name__in=new_workers).exists()
+    assert expected_new() == new_workers
+    shown = [w for node in nodes for w in expected_workers(node)[0] if w["worker"] in new_workers]
+    assert all(w["state"] == "running" and w["group"] == "actor" and w["devices"] for w in shown)
+    assert {d["uid"] for w in shown for d in w["devices"]} == set(start.device_uids)
+    deliver_all()
+    assert expected_new() == new_workers  # now from their rows
