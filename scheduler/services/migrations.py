@@ -562,7 +562,7 @@ def request_manual_migration(
 ) -> Migration:
     """An operator moves ``workers`` of the donor's least busy workers to the recipient."""
     with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job_id)
+        job = Job.objects.select_for_update(no_key=True).get(pk=job_id)
         if job.state not in (JobState.RUNNING, JobState.PAUSED_SCHEDULING):
             raise ManualMigrationError("job", f"job is {job.state}; only running jobs can migrate")
         if open_migration(job) is not None:
