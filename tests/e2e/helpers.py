@@ -3,7 +3,9 @@ database and the agents agree on who runs where."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from django.utils import timezone
@@ -12,7 +14,7 @@ from agents.models import Device
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from tests.services import wait_until
-from tests.stack import LiveStack
+from tests.stack import LiveStack, SimAgent
 
 LIVE_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING)
 FINISHED_MIGRATION_STATES = (MigrationState.COMMITTED, MigrationState.ROLLED_BACK, MigrationState.FAILED)
@@ -151,3 +153,18 @@ def wait_agents_agree(stack: LiveStack, nodes: Iterable[str], timeout_s: float =
     assert wait_until(lambda: not agents_disagree(nodes, since), timeout_s=timeout_s), (
         f"{agents_disagree(nodes, since)}\n{stack.logs()}"
     )
+
+
+def journal_events(agent: SimAgent) -> list[dict[str, Any]]:
+    """The agent's step journal, over every process of it. The agent may be appending while this
+    reads: a torn last line is skipped (it is read whole next time)."""
+    path = Path(agent.state_dir) / "journal.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

@@ -5,9 +5,7 @@ killed with it, so every agent the migration touches restarts mid-migration."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +16,7 @@ from scheduler.core.migration import StepKind
 from scheduler.models import Migration, MigrationState, MigrationStep
 from tests.e2e.helpers import (
     allocation,
+    journal_events,
     live_workers,
     math_spec,
     ownership_is_consistent,
@@ -46,13 +45,7 @@ INTERRUPTED = "the agent stopped while carrying this step out"
 
 def journal_starts(agent: SimAgent) -> Counter[str]:
     """How often each command was started by the backend, over every process of this agent."""
-    path = Path(agent.state_dir) / "journal.jsonl"
-    started: Counter[str] = Counter()
-    for line in path.read_text().splitlines():
-        event = json.loads(line)
-        if event["event"] == "started":
-            started[event["command_id"]] += 1
-    return started
+    return Counter(e["command_id"] for e in journal_events(agent) if e["event"] == "started")
 
 
 @pytest.mark.django_db(transaction=True)

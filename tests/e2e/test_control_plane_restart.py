@@ -4,9 +4,6 @@ agents' outcomes of the step in hand delivered from their journals, nothing run 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from scheduler.core.migration import StepKind
@@ -14,6 +11,7 @@ from scheduler.models import Migration, MigrationState, StepState
 from tests.e2e.helpers import (
     FINISHED_MIGRATION_STATES,
     allocation,
+    journal_events,
     math_spec,
     ownership_is_consistent,
     submit,
@@ -25,11 +23,6 @@ from tests.services import wait_until
 from tests.stack import LiveStack, SimAgent
 
 NODES = ("node-a", "node-b")
-
-
-def journal_events(agent: SimAgent) -> list[dict[str, object]]:
-    path = Path(agent.state_dir) / "journal.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -49,22 +42,29 @@ def test_a_control_plane_restarted_mid_migration_resumes_it_from_the_database(li
     migration = Migration.objects.get(migration_id=body["migration_id"])
     step = migration.steps.get(kind=StepKind.TRANSFER_STATE.value, is_rollback=False)
 
-    def step_running() -> bool:
-        step.refresh_from_db()
-        return step.state == StepState.RUNNING
+    def command_ids() -> dict[str, SimAgent]:
+        return {f"{step.step_id}@{node}#{step.attempts}": live_stack.agent(node) for node in step.nodes}
 
-    assert wait_until(step_running, timeout_s=60), live_stack.logs()
+    def step_in_the_agents_hands() -> bool:
+        # Queued is not enough: the agents must have taken the step before everything stops.
+        step.refresh_from_db()
+        return step.state == StepState.RUNNING and all(
+            any(e["command_id"] == command_id and e["event"] == "started" for e in journal_events(agent))
+            for command_id, agent in command_ids().items()
+        )
+
+    assert wait_until(step_in_the_agents_hands, timeout_s=60, interval_s=0.05), live_stack.logs()
     live_stack.stop_control_plane()
     migration.refresh_from_db()
     assert migration.state not in FINISHED_MIGRATION_STATES, "the migration finished before the stop"
 
     # With nobody to report to, the agents finish the step and keep its outcome in their journals.
-    command_ids = {f"{step.step_id}@{node}#{step.attempts}": live_stack.agent(node) for node in step.nodes}
+    started = command_ids()
 
     def outcomes_journaled() -> bool:
         return all(
             any(e["command_id"] == command_id and e["event"] == "finished" for e in journal_events(agent))
-            for command_id, agent in command_ids.items()
+            for command_id, agent in started.items()
         )
 
     assert wait_until(outcomes_journaled, timeout_s=60), live_stack.logs()

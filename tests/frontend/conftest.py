@@ -30,11 +30,13 @@ stack_settings = stack.stack_settings
 
 # Playwright's sync API keeps an event loop in this thread, and Django refuses ORM calls from a
 # thread with a running loop. The test's own ORM calls never overlap the loop, so the guard is
-# lifted in this process only; the servers under test keep it (see service_env below).
+# lifted in this process only; the servers under test keep it (see service_env below). The
+# browser lives as long as this package's tests: a loop left running would break later tests
+# that call async_to_sync (the live-event tests).
 ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Browser]:
     previous = os.environ.get(ASYNC_UNSAFE)
     os.environ[ASYNC_UNSAFE] = "true"
