@@ -2,6 +2,7 @@
 
     python -m scheduler.load_bench                                  # 128 nodes x 8 GPUs, 4 jobs, 120 s
     python -m scheduler.load_bench --nodes 2 --jobs 1 --gpus-per-job 8 --duration 5   # a smoke run
+    python -m scheduler.load_bench --compare static-disaggregated,dynarl   # policies, live
 
 Against the configured DATABASE_URL and REDIS_URL (apply migrations first, or pass --migrate), it
 starts the control plane as deployed: daphne (one process per core on one listening socket of
@@ -14,6 +15,10 @@ ready it submits ``--jobs`` jobs under the ``dynarl`` policy, waits until they r
 accepted, the heartbeats' latency as the agents saw it, the agents' command backlog (queued and
 delivered-but-unanswered AgentCommand rows, sampled every second), and the decisions and
 migrations made. It prints one table. Everything it created is deleted afterwards unless --keep.
+
+With ``--compare`` it runs one job spec under each named policy instead, on the same stack, each on
+a fresh, identical set of nodes, one policy after the other, and prints how long each took to
+finish its iterations (``scheduler.live_compare``).
 """
 
 from __future__ import annotations
@@ -98,13 +103,13 @@ def run_agent_host(
                 backend="sim",
                 host=host,
                 state_dir=state_root / host,
-                backend_options={**options, "seed": i},
+                backend_options=options,
                 nvml=False,
                 log_level="WARNING",
                 shutdown_grace_s=5.0,
             )
         )
-        for i, host in enumerate(hosts)
+        for host in hosts
     ]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -209,21 +214,208 @@ def percentile(values: Sequence[float], q: float) -> float:
     return pick(values, q)
 
 
+class ControlPlane:
+    """The control plane as deployed, for the length of a benchmark: daphne (``servers`` processes
+    on one listening socket of a free port of 127.0.0.1), a Celery worker and Celery beat, against
+    the configured database and broker. Their logs go to ``workdir``."""
+
+    def __init__(self, workdir: Path, tag: str, servers: int, worker_concurrency: int) -> None:
+        from scheduler.telemetry_bench import listening_socket
+
+        self.workdir = workdir
+        self.tag = tag
+        self.server_count = servers
+        self.worker_concurrency = worker_concurrency
+        self.sock = listening_socket()
+        self.port = int(self.sock.getsockname()[1])
+        self.server_log = open(workdir / "daphne.log", "w+b")  # noqa: SIM115 - closed by stop()
+        self.servers: list[subprocess.Popen[bytes]] = []
+        self.celery: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [*self.servers, *self.celery]
+
+    def start(self) -> None:
+        from scheduler.telemetry_bench import start_servers
+
+        self.servers = start_servers(self.sock, self.server_count, self.server_log)
+        self.celery = [
+            start_celery("worker", self.workdir, self.tag, self.worker_concurrency),
+            start_celery("beat", self.workdir, self.tag, 0),
+        ]
+
+    def stop(self) -> list[str]:
+        """Stop every process; return the servers' log, line by line."""
+        from scheduler.telemetry_bench import stop_servers
+
+        for proc in self.celery:
+            stop_process(proc)
+        stop_servers(self.servers)
+        self.sock.close()
+        self.server_log.seek(0)
+        logged = self.server_log.read().decode(errors="replace").splitlines()
+        self.server_log.close()
+        return logged
+
+
+def server_problems(logged: Sequence[str]) -> list[str]:
+    return [line for line in logged if " ERROR " in line or "Traceback" in line]
+
+
+class AgentFleet:
+    """The real agent daemon with the ``sim`` backend for each of ``hosts``, the hosts shared among
+    at most ``processes`` processes (this module run with ``--agent-host``)."""
+
+    def __init__(
+        self,
+        hosts: Sequence[str],
+        *,
+        url: str,
+        token_file: Path,
+        workdir: Path,
+        gpus: int,
+        hardware: str,
+        speed: float,
+        seed: int,
+        processes: int,
+        label: str = "agents",
+    ) -> None:
+        self.hosts = list(hosts)
+        self.url = url
+        self.token_file = token_file
+        self.workdir = workdir
+        self.options = {"gpus": gpus, "hardware": hardware, "speed": speed, "seed": seed}
+        self.shares = max(1, min(processes, len(self.hosts)))
+        self.label = label
+        self.running: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [proc for proc, _ in self.running]
+
+    def start(self) -> None:
+        for p in range(self.shares):
+            stats = self.workdir / f"{self.label}-{p}.json"
+            log = open(self.workdir / f"{self.label}-{p}.log", "wb")  # noqa: SIM115 - the process holds it
+            command = [
+                sys.executable, "-m", "scheduler.load_bench", "--agent-host",
+                "--url", self.url, "--token-file", str(self.token_file),
+                "--state-root", str(self.workdir / self.label), "--stats-file", str(stats),
+                "--hosts", ",".join(self.hosts[p :: self.shares]),
+                "--gpus", str(self.options["gpus"]), "--hardware", str(self.options["hardware"]),
+                "--speed", str(self.options["speed"]), "--seed", str(self.options["seed"]),
+            ]  # fmt: skip
+            self.running.append(
+                (subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), stats)
+            )
+
+    def stop(self, grace_s: float = 90.0) -> None:
+        """Ask every agent to stop (each then writes its heartbeat figures) and wait for them."""
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def kill(self) -> None:
+        for proc in self.processes:
+            stop_process(proc)
+
+    def heartbeats(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        """(sent at, latency ms, GPU readings, worker samples) of every heartbeat that was answered,
+        (sent at, error) of every one that failed."""
+        beats: list[list[Any]] = []
+        failures: list[list[Any]] = []
+        for _, stats in self.running:
+            if stats.exists():
+                data = json.loads(stats.read_text())
+                beats += data["beats"]
+                failures += data["failures"]
+        return beats, failures
+
+
+def database_ready(migrate: bool) -> bool:
+    """Apply migrations when asked; otherwise say so and refuse when some are missing."""
+    from django.core.management import call_command
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    if migrate:
+        call_command("migrate", verbosity=0)
+        return True
+    executor = MigrationExecutor(connection)
+    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        print(
+            "the configured database has unapplied migrations; run migrate or pass --migrate", file=sys.stderr
+        )
+        return False
+    return True
+
+
+def bootstrap(run: Any, workdir: Path) -> Path:
+    """Record the run's bootstrap token and write it where its agents read it."""
+    from agents.models import BootstrapToken
+    from controlplane.models import hash_token
+
+    BootstrapToken.objects.create(name=run.tag, key_hash=hash_token(run.bootstrap_raw))
+    token_file = workdir / f"{run.tag}-bootstrap-token"
+    token_file.write_text(run.bootstrap_raw)
+    token_file.chmod(0o600)
+    return token_file
+
+
+def setup_django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    import django
+
+    django.setup()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m scheduler.load_bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument(
+        "--nodes", type=int, default=None, help="nodes (default 128; 8 per policy with --compare)"
+    )
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--gpus-per-job", type=int, default=32)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds measured once the jobs run")
-    parser.add_argument("--speed", type=float, default=4.0, help="sim seconds per wall second")
+    parser.add_argument(
+        "--speed", type=float, default=None, help="sim seconds per wall second (default 4; 10 with --compare)"
+    )
     parser.add_argument("--agent-processes", type=int, default=4, help="processes the agents share")
     parser.add_argument("--servers", type=int, default=os.cpu_count() or 1, help="daphne processes")
     parser.add_argument("--worker-concurrency", type=int, default=2, help="Celery worker processes")
     parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
     parser.add_argument("--keep", action="store_true", help="leave the nodes, jobs and rows in place")
+    parser.add_argument("--hardware", help="the simulated GPUs' type (default H800)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the sim agents' trace seed (all agents share it)"
+    )
+    compare = parser.add_argument_group("comparing policies (scheduler.live_compare)")
+    compare.add_argument(
+        "--compare",
+        metavar="POLICY,POLICY",
+        help="run one job spec under each of these policies, each on its own nodes; the first is the baseline",
+    )
+    compare.add_argument(
+        "--spec",
+        type=Path,
+        help="the job spec (YAML or JSON, dynarl format); default: a math-RL job filling the nodes",
+    )
+    compare.add_argument("--iterations", type=int, default=10, help="iterations the job runs")
+    compare.add_argument("--timeout", type=float, default=1800.0, help="wall seconds a policy's job may take")
     # The agents' processes run this module again with these:
     parser.add_argument("--agent-host", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -231,7 +423,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--state-root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--stats-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--hosts", help=argparse.SUPPRESS)
-    parser.add_argument("--hardware", help="the simulated GPUs' type (default H800)")
     args = parser.parse_args(argv)
     if args.agent_host:
         return run_agent_host(
@@ -239,86 +430,63 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.url,
             args.token_file,
             args.state_root,
-            {"gpus": args.gpus, "hardware": args.hardware, "speed": args.speed},
+            {"gpus": args.gpus, "hardware": args.hardware, "speed": args.speed, "seed": args.seed},
             args.stats_file,
         )
+    if args.compare:
+        from scheduler import live_compare
+
+        return live_compare.run(parser, args)
+    args.nodes = 128 if args.nodes is None else args.nodes
+    args.speed = 4.0 if args.speed is None else args.speed
     if args.jobs * args.gpus_per_job > args.nodes * args.gpus:
         parser.error("the jobs need more GPUs than the nodes have")
     return measure(args)
 
 
 def measure(args: argparse.Namespace) -> int:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    import django
-
-    django.setup()
+    setup_django()
     import psutil
     from django.contrib.auth import get_user_model
-    from django.core.management import call_command
-    from django.db import connection
-    from django.db.migrations.executor import MigrationExecutor
     from django.utils import timezone
 
-    from agents.models import AgentCommand, BootstrapToken, CommandState, Node, NodeStatus
+    from agents.models import AgentCommand, CommandState, Node, NodeStatus
     from controlplane.audit import Actor
-    from controlplane.models import hash_token
     from jobs.models import Job, JobState
     from jobs.services import submit_job
     from scheduler import progress
     from scheduler.models import Migration, SchedulingDecision, Tick
-    from scheduler.telemetry_bench import Run, cleanup, listening_socket, start_servers, stop_servers, table
+    from scheduler.telemetry_bench import Run, cleanup, table
 
-    if args.migrate:
-        call_command("migrate", verbosity=0)
-    else:
-        executor = MigrationExecutor(connection)
-        if executor.migration_plan(executor.loader.graph.leaf_nodes()):
-            print(
-                "the configured database has unapplied migrations; run migrate or pass --migrate",
-                file=sys.stderr,
-            )
-            return 2
+    if not database_ready(args.migrate):
+        return 2
 
     tag = f"load{secrets.token_hex(3)}"
     # The sim backend models known hardware types only; H800 keeps the jobs off other H100 hosts.
     run = Run(tag=tag, hardware=args.hardware or "H800", bootstrap_raw=secrets.token_urlsafe(24))
-    BootstrapToken.objects.create(name=tag, key_hash=hash_token(run.bootstrap_raw))
     hosts = [f"{tag}-n{i:03d}" for i in range(args.nodes)]
     workdir = Path(tempfile.mkdtemp(prefix=f"dynarl-{tag}-"))
-    token_file = workdir / "bootstrap-token"
-    token_file.write_text(run.bootstrap_raw)
-    token_file.chmod(0o600)
-    sock = listening_socket()
-    port = int(sock.getsockname()[1])
-    server_log = open(workdir / "daphne.log", "w+b")  # noqa: SIM115 - closed below
-    servers: list[subprocess.Popen[bytes]] = []
-    celery: list[subprocess.Popen[bytes]] = []
-    agent_hosts: list[tuple[subprocess.Popen[bytes], Path]] = []
+    token_file = bootstrap(run, workdir)
+    plane = ControlPlane(workdir, tag, args.servers, args.worker_concurrency)
+    fleet = AgentFleet(
+        hosts,
+        url=plane.url,
+        token_file=token_file,
+        workdir=workdir,
+        gpus=args.gpus,
+        hardware=run.hardware,
+        speed=args.speed,
+        seed=args.seed,
+        processes=args.agent_processes,
+    )
     backlog: list[tuple[int, int]] = []
     began_setup = time.monotonic()
     finished_cleanly = False
     try:
-        servers = start_servers(sock, args.servers, server_log)
-        celery = [
-            start_celery("worker", workdir, tag, args.worker_concurrency),
-            start_celery("beat", workdir, tag, 0),
-        ]
-        shares = max(1, min(args.agent_processes, args.nodes))
-        for p in range(shares):
-            stats = workdir / f"agents-{p}.json"
-            log = open(workdir / f"agents-{p}.log", "wb")  # noqa: SIM115 - the process holds it
-            command = [
-                sys.executable, "-m", "scheduler.load_bench", "--agent-host",
-                "--url", f"http://127.0.0.1:{port}", "--token-file", str(token_file),
-                "--state-root", str(workdir / "agents"), "--stats-file", str(stats),
-                "--hosts", ",".join(hosts[p::shares]), "--gpus", str(args.gpus),
-                "--hardware", run.hardware, "--speed", str(args.speed),
-            ]  # fmt: skip
-            agent_hosts.append(
-                (subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), stats)
-            )
+        plane.start()
+        fleet.start()
         nodes = Node.objects.filter(name__startswith=f"{tag}-", status=NodeStatus.READY)
-        watched = [*servers, *celery, *(proc for proc, _ in agent_hosts)]
+        watched = [*plane.processes, *fleet.processes]
         wait_for(
             lambda: nodes.count() == args.nodes, 60 + args.nodes, f"{args.nodes} nodes", watched, workdir
         )
@@ -377,37 +545,17 @@ def measure(args: argparse.Namespace) -> int:
         ).values_list("state", flat=True):
             finished[state] = finished.get(state, 0) + 1
         migrations_started = migrations.count()
-        for proc, _ in agent_hosts:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in agent_hosts:
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        fleet.stop()
         finished_cleanly = True
     finally:
-        for proc, _ in agent_hosts:
-            stop_process(proc)
-        for proc in celery:
-            stop_process(proc)
-        stop_servers(servers)
-        sock.close()
+        fleet.kill()
+        logged = plane.stop()
         if not args.keep:
             for job in Job.objects.filter(pk__in=run.job_ids):
                 progress.forget_job(job)
             cleanup(run)
-        server_log.seek(0)
-        logged = server_log.read().decode(errors="replace").splitlines()
-        server_log.close()
 
-    beats: list[list[float]] = []
-    failures: list[list[Any]] = []
-    for _, stats in agent_hosts:
-        if stats.exists():
-            data = json.loads(stats.read_text())
-            beats += data["beats"]
-            failures += data["failures"]
+    beats, failures = fleet.heartbeats()
     if finished_cleanly and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)  # logs stay for a run that failed
     measured = [b for b in beats if started <= b[0] < ended]
@@ -418,12 +566,12 @@ def measure(args: argparse.Namespace) -> int:
     samples = sum(int(b[3]) for b in measured)
     queued = [q for q, _ in backlog]
     delivered = [d for _, d in backlog]
-    problems = [line for line in logged if " ERROR " in line or "Traceback" in line]
+    problems = server_problems(logged)
     gpus = args.nodes * args.gpus
     rows = [
         (
             "GPUs (nodes x GPUs)",
-            f"{gpus} ({args.nodes} x {args.gpus}), agents in {len(agent_hosts)} processes",
+            f"{gpus} ({args.nodes} x {args.gpus}), agents in {fleet.shares} processes",
         ),
         ("jobs (GPUs each, policy)", f"{args.jobs} ({args.gpus_per_job}, dynarl), sim speed {args.speed:g}x"),
         ("control plane", f"{args.servers} daphne, 1 Celery worker (x{args.worker_concurrency}), beat"),

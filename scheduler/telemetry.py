@@ -360,8 +360,8 @@ def _ingest_sql() -> str:
     atomically): latest device readings, the node's known reporting workers, their latest
     utilisation, and the per-bucket upsert that folds new samples into the running mean, minimum
     and token sum. Rows come as JSON documents, so the text is the same for any number of rows and
-    the driver binds a few strings instead of one parameter per value. It answers with the device
-    indices updated and the workers recognised, as [name, group, job id]."""
+    the driver binds a few strings instead of one parameter per value. It answers with the node's
+    device indices the readings were for and the workers recognised, as [name, group, job id]."""
     colocated = Worker.colocated_devices.through
     device, worker, group, sample = (
         _table(Device),
@@ -372,10 +372,16 @@ def _ingest_sql() -> str:
     return f"""
 WITH device_in AS (
     SELECT * FROM json_to_recordset(%(devices)s::json) AS v(i integer, u double precision, m double precision)
+), devices_known AS (
+    SELECT d.id, d.index FROM {device} d WHERE d.node_id = %(node)s AND d.index IN (SELECT i FROM device_in)
+), device_rows AS (
+    -- Readings are latest values: a row another transaction holds (a device changing owner, a
+    -- job releasing it) is skipped this once rather than waited for, so the ingest never joins
+    -- a lock cycle with those transactions. The same goes for the workers below.
+    SELECT d.id FROM {device} d WHERE d.id IN (SELECT id FROM devices_known) FOR NO KEY UPDATE SKIP LOCKED
 ), devices_updated AS (
     UPDATE {device} AS d SET utilisation = v.u, memory_used_gb = v.m, reported_at = %(reported_at)s
-    FROM device_in v WHERE d.node_id = %(node)s AND d.index = v.i
-    RETURNING d.index
+    FROM device_in v WHERE d.node_id = %(node)s AND d.index = v.i AND d.id IN (SELECT id FROM device_rows)
 ), known AS (
     -- workers that run on this node: they own, or share, one of its devices
     SELECT w.id, w.name, g.name AS grp, g.job_id
@@ -386,8 +392,11 @@ WITH device_in AS (
                       WHERE c.worker_id = w.id AND d.node_id = %(node)s))
 ), latest AS (
     SELECT * FROM json_to_recordset(%(latest)s::json) AS v(worker text, u double precision)
+), worker_rows AS (
+    SELECT w.id FROM {worker} w WHERE w.id IN (SELECT id FROM known) FOR NO KEY UPDATE SKIP LOCKED
 ), workers_updated AS (
-    UPDATE {worker} AS w SET utilisation = v.u FROM latest v JOIN known k ON k.name = v.worker WHERE w.id = k.id
+    UPDATE {worker} AS w SET utilisation = v.u FROM latest v JOIN known k ON k.name = v.worker
+    WHERE w.id = k.id AND w.id IN (SELECT id FROM worker_rows)
 ), bucket_in AS (
     SELECT * FROM json_to_recordset(%(buckets)s::json) AS v(
         worker text, start double precision, n integer, mean double precision, low double precision,
@@ -409,7 +418,7 @@ WITH device_in AS (
         "group" = EXCLUDED."group",
         node_id = EXCLUDED.node_id
 )
-SELECT (SELECT coalesce(json_agg(index), '[]') FROM devices_updated),
+SELECT (SELECT coalesce(json_agg(index), '[]') FROM devices_known),
        (SELECT coalesce(json_agg(json_build_array(name, grp, job_id)), '[]') FROM known)
 """
 
@@ -420,7 +429,9 @@ def _write(
     workers: list[WorkerReading],
     now: float,
 ) -> tuple[set[int], dict[str, tuple[str, int]]]:
-    """Run the ingest statement; returns the device indices updated and name -> (group, job id)."""
+    """Run the ingest statement; returns the node's device indices the readings were for (each
+    applied, or skipped this once while another transaction holds the row) and the recognised
+    workers as name -> (group, job id)."""
     latest: dict[str, WorkerReading] = {}
     buckets: dict[tuple[str, float], _Bucket] = defaultdict(_Bucket)
     for sample in workers:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
+from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import DjangoCaptureOnCommitCallbacks, Settings
@@ -258,3 +260,45 @@ def test_ingest_returns_samples_accepted(running: tuple[Agent, Job]) -> None:
         + [{"worker": "ghost", "utilisation": 0.1}],
     }
     assert telemetry.ingest(node, body) == 8
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_another_transaction_holds_are_skipped_not_waited_for(
+    client: Client, bootstrap: str, settings: Settings
+) -> None:
+    """A job being released (or a migration committing) holds its worker and device rows; a
+    heartbeat landing then applies the rest and keeps the history instead of waiting in a lock
+    cycle with it."""
+    settings.TELEMETRY_BUCKET_S = 10.0
+    register(client, bootstrap, "node-a", gpus=4)
+    job = submit(make_user("alice"), spec(rollout=2, actor=2))
+    held_worker, free_worker = worker_names(job, "rollout")
+    node = Node.objects.get(name="node-a")
+    now = bucket_aligned_now()
+    body = {
+        "sent_at": now,
+        "devices": [{"index": i, "utilisation": 0.7, "memory_used_gb": 1.0} for i in range(4)],
+        "workers": [
+            {"worker": name, "group": "rollout", "at": now, "utilisation": 0.7, "tokens": 100}
+            for name in (held_worker, free_worker)
+        ],
+    }
+    db = connection.settings_dict
+    with psycopg.connect(
+        host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"]
+    ) as other:
+        other.execute("SELECT 1 FROM jobs_worker WHERE name = %s FOR UPDATE", [held_worker])
+        other.execute("SELECT 1 FROM agents_device WHERE node_id = %s AND index = 0 FOR UPDATE", [node.pk])
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '5s'")  # a wait fails the test, not hangs it
+            outcome = telemetry.ingest_report(node, body, now=now)
+        other.rollback()
+
+    assert outcome.accepted == 4 + 2 and not outcome.rejected
+    workers = {w.name: w.utilisation for w in Worker.objects.filter(name__in=[held_worker, free_worker])}
+    assert workers[free_worker] == 0.7 and workers[held_worker] != 0.7
+    devices = {d.index: d.utilisation for d in Device.objects.filter(node=node)}
+    assert devices[0] != 0.7 and [devices[i] for i in (1, 2, 3)] == [0.7] * 3
+    history = set(TelemetrySample.objects.values_list("worker", flat=True))
+    assert {held_worker, free_worker} <= history
