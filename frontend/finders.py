@@ -27,8 +27,6 @@ PLOTLY_STATIC_PATH = "vendor/plotly.min.js"
 
 
 class PlotlyFinder(BaseFinder):
-    storage = FileSystemStorage(location=str(PLOTLY_DIR))
-
     def check(self, **kwargs: Any) -> list[Any]:
         return []
 
