@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -49,6 +49,10 @@ class Prediction:
             "job_after": self.job_after,
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Prediction:
+        return cls(**{f.name: float(data[f.name]) for f in fields(cls)})
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -72,6 +76,19 @@ class Candidate:
             "score": self.score,
             "rejected_because": self.rejected_because,
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Candidate:
+        prediction = data.get("prediction")
+        return cls(
+            donor=data["donor"],
+            recipient=data["recipient"],
+            device_ids=tuple(data["device_ids"]),
+            prediction=Prediction.from_json(prediction) if prediction else None,
+            migration_cost_s=float(data["migration_cost_s"]),
+            score=float(data["score"]),
+            rejected_because=data.get("rejected_because"),
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,27 @@ class Decision:
             "candidates": [c.to_json() for c in self.candidates],
             "at": self.at,
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Decision:
+        chosen = data.get("chosen")
+        return cls(
+            policy=data["policy"],
+            reason=Reason(data["reason"]),
+            detail=data["detail"],
+            donor=data["donor"],
+            recipient=data["recipient"],
+            device_ids=tuple(data["device_ids"]),
+            donor_strategy=_strategy(data.get("donor_strategy")),
+            recipient_strategy=_strategy(data.get("recipient_strategy")),
+            chosen=Candidate.from_json(chosen) if chosen else None,
+            candidates=tuple(Candidate.from_json(c) for c in data.get("candidates", ())),
+            at=float(data.get("at", 0.0)),
+        )
+
+
+def _strategy(value: str | None) -> MigrationStrategy | None:
+    return MigrationStrategy(value) if value else None
 
 
 class Policy(Protocol):

@@ -27,6 +27,7 @@ from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import ComponentKind, Hypergraph
 from scheduler.core.migration import PlanError
 from scheduler.core.policies import build_policy
+from scheduler.core.policies.serial import DroppedDecision, SerialDriver
 from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals
@@ -100,15 +101,18 @@ def run_tick(job_id: int) -> Tick | None:
                 params=job.spec.get("policy", {}).get("params", {}),
             )
             policy.load_state(job.policy_state.get("policy", {}))
+            driver = SerialDriver(policy, SerialDriver.queued_from_json(job.policy_state.get("queued", [])))
             free = [core_device(d) for d in _free_devices()]
-            proposed = policy.decide(graph, signals, free, now.timestamp())
+            decision = driver.next_decision(graph, signals, free, now.timestamp())
             policy_ms = (time.perf_counter() - policy_started) * 1000
             outcome = "no_change"
-            for decision in proposed[:1]:  # one migration per job at a time
-                if _start(job, tick, decision, graph, signals):
-                    decisions += 1
-                    outcome = "decided"
+            for dropped in driver.dropped:
+                _record_dropped(job, dropped)
+            if decision is not None and _start(job, tick, decision, graph, signals):
+                decisions += 1
+                outcome = "decided"
             job.policy_state["policy"] = policy.state_to_json()
+            job.policy_state["queued"] = driver.queued_to_json()
 
         predictor_errors.settle(job, signals, now)
         snapshots.take(job, cause="change", graph=graph, signals=signals, force=False)
@@ -226,6 +230,20 @@ def _start(
         log.warning("job %s: decision %s not planned: %s", job.pk, decision_row.pk, exc)
         return False
     return True
+
+
+def _record_dropped(job: Job, dropped: DroppedDecision) -> None:
+    """A queued move that no longer fits: said in the audit trail, since no decision row exists."""
+    decision = dropped.decision
+    log.info("job %s: queued %s move dropped: %s", job.pk, decision.reason.value, dropped.why)
+    audit.record(
+        Actor.scheduler(),
+        "decision_dropped",
+        job,
+        job=job,
+        reason=f"{decision.detail} [dropped: {dropped.why}]",
+        payload={"decision": decision.to_json(), "why": dropped.why},
+    )
 
 
 def _iterations_done(job: Job, signals: Mapping[str, GroupSignals]) -> bool:

@@ -13,9 +13,11 @@ from django.test import TestCase, override_settings
 from agents.models import Node
 from jobs.models import Job, JobState, Worker
 from scheduler import telemetry
-from scheduler.models import HypergraphSnapshot, Migration, SchedulingDecision, Tick
+from scheduler.core.decisions import Reason
+from scheduler.models import HypergraphSnapshot, Migration, MigrationState, SchedulingDecision, Tick
 from scheduler.services import tick
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
+from tests.scheduler.test_migrations import deliver_all
 
 
 @pytest.fixture(autouse=True)
@@ -108,3 +110,29 @@ def test_two_concurrent_ticks_make_one_decision() -> None:
     assert SchedulingDecision.objects.filter(job=job).count() == 1
     assert Migration.objects.filter(job=job).count() == 1
     assert sum(r is not None for r in results) == 1
+
+
+@pytest.mark.django_db
+@override_settings(SIGNAL_WINDOW_S=10.0)
+def test_loans_go_home_when_the_iteration_ends_even_if_a_migration_held_the_boundary() -> None:
+    job = idle_rollout_busy_trainer_job()
+    assert tick.run_tick(job.pk) is not None
+    lent = SchedulingDecision.objects.get(job=job)
+    assert (lent.donor, lent.recipient) == ("rollout", "actor")
+    # The iteration moves on while the loan's migration is still in flight...
+    Job.objects.filter(pk=job.pk).update(iteration=1, last_tick_at=None)
+    in_flight = tick.run_tick(job.pk)
+    assert in_flight is not None and in_flight.outcome == "migration_in_flight"
+    deliver_all()
+    assert Migration.objects.get(job=job).state == MigrationState.COMMITTED
+    # ...and the first tick that may decide again sends the borrowed GPUs home.
+    Job.objects.filter(pk=job.pk).update(last_tick_at=None)
+    result = tick.run_tick(job.pk)
+    assert result is not None and result.outcome == "decided"
+    back = SchedulingDecision.objects.filter(job=job).latest("pk")
+    assert back.reason == Reason.RETURN_BORROWED
+    assert (back.donor, back.recipient) == ("actor", "rollout")
+    assert sorted(back.device_uids) == sorted(lent.device_uids)
+    assert "iteration 1 ended" in back.detail
+    job.refresh_from_db()
+    assert job.policy_state["queued"] == []

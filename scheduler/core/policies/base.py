@@ -54,6 +54,11 @@ class SchedulingPolicy(Protocol):
 
     def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]: ...
 
+    def iteration_advanced(self, graph: Hypergraph) -> bool:
+        """Whether ``graph`` is in a later iteration than the last one the policy saw, so the
+        caller owes it ``on_iteration_end`` before the next ``decide``."""
+        ...
+
     def state_to_json(self) -> dict[str, Any]:
         """What the policy remembers between ticks (loans, cooldowns, moves in flight)."""
         ...
@@ -113,6 +118,10 @@ class BasePolicy:
 
     def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
         return []
+
+    def iteration_advanced(self, graph: Hypergraph) -> bool:
+        seen = self.clock.iteration
+        return seen is not None and graph.iteration > seen
 
     def _sync(self, graph: Hypergraph, now: float, free_devices: Sequence[Device] = ()) -> bool:
         """Bring the memory up to date with the graph; True when a new iteration began."""

@@ -1,0 +1,114 @@
+"""SerialDriver: a policy's decisions carried out one migration at a time, across rebuilt ticks."""
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from scheduler.core.decisions import Decision, Reason
+from scheduler.core.hypergraph import Hypergraph
+from scheduler.core.policies.serial import SerialDriver
+from tests.scheduler_core.test_policies_dynarl import finished_stages, memory, policy_with
+from tests.scheduler_core.test_policies_fixtures import land, make_policy
+
+
+class LiveTicks:
+    """What the control plane's tick does: rebuild the policy and the driver from JSON state."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = {"policy": state, "queued": []}
+
+    def tick(self, graph: Hypergraph, signals: Any, now: float) -> tuple[Decision | None, SerialDriver]:
+        state = json.loads(json.dumps(self.state))
+        policy = policy_with(state["policy"])
+        driver = SerialDriver(policy, SerialDriver.queued_from_json(state["queued"]))
+        decision = driver.next_decision(graph, signals, [], now)
+        self.state = {"policy": policy.state_to_json(), "queued": driver.queued_to_json()}
+        return decision, driver
+
+
+def pooled_loans() -> tuple[LiveTicks, Hypergraph, Any]:
+    """The trainer grown 8 -> 16 ranks on loans from two drained groups, 4 GPUs each."""
+    graph, signals = finished_stages()
+    ticks = LiveTicks(memory(batch_done=True))
+    for now in (90.0, 92.0):
+        decision, _ = ticks.tick(graph, signals, now)
+        assert decision is not None and decision.recipient == "actor"
+        graph = land(graph, [decision])
+    assert len(graph.node("actor").workers) == 16
+    return ticks, graph, signals
+
+
+def test_every_loan_goes_home_one_migration_at_a_time_after_an_iteration_boundary():
+    ticks, graph, signals = pooled_loans()
+    # The iteration moved on while a migration was in flight: the first tick that may decide
+    # again still calls the boundary hook, starts one return and queues the other.
+    boundary = replace(graph, iteration=1)
+    first, driver = ticks.tick(boundary, signals, now=130.0)
+    assert driver.iteration_ended
+    assert first is not None and first.reason is Reason.RETURN_BORROWED and first.donor == "actor"
+    assert len(ticks.state["queued"]) == 1
+    graph = land(boundary, [first])
+    second, driver = ticks.tick(graph, signals, now=134.0)
+    assert not driver.iteration_ended
+    assert second is not None and second.reason is Reason.RETURN_BORROWED
+    assert {first.recipient, second.recipient} == {"rollout", "inference"}
+    assert ticks.state["queued"] == []
+    graph = land(graph, [second])
+    assert len(graph.node("actor").workers) == 8
+    assert len(graph.node("rollout").workers) == 4 and len(graph.node("inference").workers) == 4
+
+
+def test_a_queued_return_whose_gpus_moved_meanwhile_is_dropped_with_the_reason():
+    ticks, graph, signals = pooled_loans()
+    boundary = replace(graph, iteration=1)
+    first, _ = ticks.tick(boundary, signals, now=130.0)
+    assert first is not None
+    [queued] = SerialDriver.queued_from_json(ticks.state["queued"])
+    # The queued return's GPUs left the trainer another way (released to the free pool).
+    graph = land(boundary, [first, replace(queued, recipient=None)])
+    decision, driver = ticks.tick(graph, signals, now=134.0)
+    [dropped] = driver.dropped
+    assert dropped.decision.device_ids == queued.device_ids
+    assert "no longer with actor" in dropped.why
+    assert decision is None or set(decision.device_ids).isdisjoint(queued.device_ids)
+
+
+def test_several_decisions_from_one_decide_are_started_in_turn_not_lost():
+    graph, signals = finished_stages()
+    decisions = [
+        Decision("p", Reason.RETURN_BORROWED, f"move {i}", "actor", "rollout", (d,), None, None)
+        for i, d in enumerate(graph.node("actor").device_ids[:2])
+    ]
+
+    class TwoAtOnce:
+        def __init__(self) -> None:
+            self.policy = make_policy("static-disaggregated")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.policy, name)
+
+        def decide(self, *args: Any) -> list[Decision]:
+            return list(decisions)
+
+    driver = SerialDriver(TwoAtOnce())  # type: ignore[arg-type]
+    assert driver.next_decision(graph, signals, [], 1.0) == decisions[0]
+    restored = SerialDriver(driver.policy, SerialDriver.queued_from_json(driver.queued_to_json()))
+    assert restored.next_decision(graph, signals, [], 2.0) == decisions[1]
+
+
+def test_a_static_policy_never_sees_an_iteration_end_nor_queues_anything():
+    graph, signals = finished_stages()
+    driver = SerialDriver(make_policy("static-disaggregated"))
+    for iteration in range(3):
+        assert (
+            driver.next_decision(replace(graph, iteration=iteration), signals, [], float(iteration)) is None
+        )
+        assert not driver.iteration_ended and driver.queued == []
+
+
+def test_decisions_round_trip_through_json_exactly():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    [decision] = policy.decide(graph, signals, [], now=90.0)
+    assert decision.chosen is not None and decision.candidates
+    assert Decision.from_json(json.loads(json.dumps(decision.to_json()))) == decision
