@@ -68,6 +68,7 @@ class PolicyRun:
     mean_gpus: dict[str, float]  # group -> GPUs held, averaged over the run's wall time
     setup_s: float
     errors: dict[str, int] = field(default_factory=dict)  # why migrations rolled back or failed
+    log: list[str] = field(default_factory=list)  # one line per decision, in order
 
     @property
     def finished(self) -> bool:
@@ -189,6 +190,7 @@ def compare(
         if r.decisions or r.migrations:
             moves = ", ".join(f"{k}: {v} GPUs" for k, v in sorted(r.moved.items())) or "none"
             print(f"{r.policy}: decisions {dict(sorted(r.reasons.items()))}; GPUs moved by commits: {moves}")
+            print("\n".join(f"  {line}" for line in r.log))
         for error, count in sorted(r.errors.items()):
             print(f"{r.policy}: {count} migration(s) ended with: {error}")
     if problems:
@@ -264,6 +266,8 @@ def run_policy(
             time.sleep(1.0)
         job.refresh_from_db()
         result = describe(job, policy, setup_s)
+        if args.dump is not None:
+            dump_run(job, args.dump / f"{policy}.json")
         fleet.stop()
         return result
     finally:
@@ -350,7 +354,103 @@ def describe(job: Any, policy: str, setup_s: float) -> PolicyRun:
         mean_gpus={g: s / wall_s for g, s in gpu_seconds.items()} if wall_s > 0 else dict(held),
         setup_s=setup_s,
         errors=errors,
+        log=decision_log(job, start, advances),
     )
+
+
+def decision_log(job: Any, start: Any, advances: Sequence[Any]) -> list[str]:
+    """When each decision came (wall seconds from the job's start, and in which iteration), what
+    it moved, and how its migration ended."""
+    from scheduler.models import SchedulingDecision
+
+    lines = []
+    for d in SchedulingDecision.objects.filter(job=job).select_related("migration").order_by("at", "pk"):
+        iteration = 1 + sum(1 for a in advances if a <= d.at)
+        line = (
+            f"+{(d.at - start).total_seconds():6.1f} s  iteration {iteration:>2}  {d.reason:<22} "
+            f"{d.donor or 'free'} -> {d.recipient or 'free'}: {len(d.device_uids)} GPUs"
+        )
+        migration = getattr(d, "migration", None)
+        if migration is None:
+            line += ", not carried out"
+        elif migration.finished_at is not None:
+            line += f", {migration.state} in {(migration.finished_at - migration.created_at).total_seconds():.1f} s"
+        else:
+            line += f", {migration.state}"
+        lines.append(line)
+    return lines
+
+
+def dump_run(job: Any, path: Path) -> None:
+    """What the job did, as JSON, before its rows go: iteration advances, every tick's outcome,
+    decisions with the signals they read and the candidates weighed, migrations with their steps,
+    and the per-group telemetry series (the dashboard's own endpoint data)."""
+    from rest_framework.renderers import JSONRenderer
+
+    from controlplane.models import AuditEvent
+    from scheduler.api import TelemetryHistorySerializer
+    from scheduler.models import Migration, SchedulingDecision, Tick
+    from scheduler.services import history
+
+    start = job.started_at
+
+    def offset(at: Any) -> float | None:
+        return None if at is None or start is None else round((at - start).total_seconds(), 3)
+
+    data = {
+        "job": {"id": job.pk, "policy": job.policy, "state": job.state, "spec": job.spec},
+        "iterations": [
+            {"t": offset(at), "payload": payload}
+            for at, payload in AuditEvent.objects.filter(job=job, verb="job.iteration")
+            .order_by("at")
+            .values_list("at", "payload")
+        ],
+        "ticks": [
+            {"t": offset(at), "outcome": outcome, "ms": round(ms, 1)}
+            for at, outcome, ms in Tick.objects.filter(job=job)
+            .order_by("started_at")
+            .values_list("started_at", "outcome", "duration_ms")
+        ],
+        "decisions": [
+            {
+                "t": offset(d.at),
+                "reason": d.reason,
+                "detail": d.detail,
+                "donor": d.donor,
+                "recipient": d.recipient,
+                "devices": len(d.device_uids),
+                "inputs": d.inputs,
+                "candidates": d.candidates,
+            }
+            for d in SchedulingDecision.objects.filter(job=job).order_by("at", "pk")
+        ],
+        "migrations": [
+            {
+                "t": offset(m.created_at),
+                "finished_t": offset(m.finished_at),
+                "state": m.state,
+                "donor": m.donor,
+                "recipient": m.recipient,
+                "devices": len(m.device_uids),
+                "error": m.error,
+                "steps": [
+                    {
+                        "kind": st.kind,
+                        "group": st.group,
+                        "nodes": st.nodes,
+                        "state": st.state,
+                        "t": offset(st.started_at),
+                        "finished_t": offset(st.finished_at),
+                    }
+                    for st in m.steps.order_by("index")
+                ],
+            }
+            for m in Migration.objects.filter(job=job).order_by("created_at")
+        ],
+        "telemetry": TelemetryHistorySerializer(history.job_telemetry(job, since=start)).data,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(JSONRenderer().render(data))
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

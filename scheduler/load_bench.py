@@ -415,6 +415,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the job spec (YAML or JSON, dynarl format); default: a math-RL job filling the nodes",
     )
     compare.add_argument("--iterations", type=int, default=10, help="iterations the job runs")
+    compare.add_argument(
+        "--dump",
+        type=Path,
+        help="write what each policy's job did (ticks, decisions, migrations, telemetry) to DIR/<policy>.json",
+    )
     compare.add_argument("--timeout", type=float, default=1800.0, help="wall seconds a policy's job may take")
     # The agents' processes run this module again with these:
     parser.add_argument("--agent-host", action="store_true", help=argparse.SUPPRESS)

@@ -25,7 +25,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from scheduler.core.costs import MigrationCostModel
-from scheduler.core.decisions import Candidate, Decision, Prediction, Reason
+from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import Hypergraph, HyperNode, MigrationStrategy, Worker
 
 
@@ -220,7 +220,7 @@ class MigrationPlan:
     def from_json(cls, data: Mapping[str, Any]) -> MigrationPlan:
         return cls(
             migration_id=data["migration_id"],
-            decision=decision_from_json(data["decision"]),
+            decision=Decision.from_json(data["decision"]),
             steps=tuple(PlannedStep.from_json(s) for s in data["steps"]),
         )
 
@@ -609,37 +609,3 @@ class PlanExecution:
         execution._failures = {k: int(v) for k, v in data["failures"].items()}
         execution._gave_up = bool(data["gave_up"])
         return execution
-
-
-# --- Decision from JSON (the contract only defines to_json) ----------------------------------
-
-
-def decision_from_json(data: Mapping[str, Any]) -> Decision:
-    return Decision(
-        policy=data["policy"],
-        reason=Reason(data["reason"]),
-        detail=data["detail"],
-        donor=data["donor"],
-        recipient=data["recipient"],
-        device_ids=tuple(data["device_ids"]),
-        donor_strategy=MigrationStrategy(data["donor_strategy"]) if data["donor_strategy"] else None,
-        recipient_strategy=(
-            MigrationStrategy(data["recipient_strategy"]) if data["recipient_strategy"] else None
-        ),
-        chosen=_candidate_from_json(data["chosen"]) if data["chosen"] else None,
-        candidates=tuple(_candidate_from_json(c) for c in data["candidates"]),
-        at=float(data["at"]),
-    )
-
-
-def _candidate_from_json(data: Mapping[str, Any]) -> Candidate:
-    prediction = data["prediction"]
-    return Candidate(
-        donor=data["donor"],
-        recipient=data["recipient"],
-        device_ids=tuple(data["device_ids"]),
-        prediction=Prediction(**{k: float(v) for k, v in prediction.items()}) if prediction else None,
-        migration_cost_s=float(data["migration_cost_s"]),
-        score=float(data["score"]),
-        rejected_because=data["rejected_because"],
-    )

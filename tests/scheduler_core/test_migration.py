@@ -21,7 +21,6 @@ from scheduler.core.migration import (
     PlannedStep,
     StepKind,
     StepState,
-    decision_from_json,
     plan_migration,
 )
 
@@ -265,7 +264,7 @@ def test_plan_json_round_trip() -> None:
     plan = _plan(decision)
     assert MigrationPlan.from_json(plan.to_json()) == plan
     assert MigrationPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
-    assert decision_from_json(decision.to_json()) == decision
+    assert Decision.from_json(decision.to_json()) == decision
     step = plan.steps[0]
     assert PlannedStep.from_json(json.loads(json.dumps(step.to_json()))) == step
 
