@@ -395,6 +395,7 @@ class SimBackend:
                 device_ids=tuple(str(d) for d in step.get("device_ids", ())),
                 handover=handover if isinstance(handover, Mapping) else {},
                 spec=payload["spec"] if isinstance(payload.get("spec"), Mapping) else None,
+                share=float(step.get("share", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StepFailed(f"malformed step payload: {exc!r}") from exc

@@ -56,6 +56,7 @@ ACTIVE_JOB_STATES = ("admitted", "running", "paused_scheduling")
 PAUSED_FOREVER_S = 1e12  # an engine paused by a migration step: no decode step until resumed
 JOB_RETENTION_S = 3600.0  # virtual seconds a job's progress is kept (and reported) once no worker is left
 HANDOVER_S_PER_REQUEST = 0.001  # MigrationCostModel's per-request hand-over time
+HELD_SIDES_KEPT = 8  # take-back / shed sides whose requests a job keeps for retries
 
 # Event kinds, in the order events of one instant run; telemetry samples come after all of them.
 ENGINE, TOOL_DONE, READY, CONSUMED, TRAINED = range(5)
@@ -145,6 +146,7 @@ class StepContext:
     device_ids: tuple[str, ...]
     handover: Mapping[str, Any]
     spec: Mapping[str, Any] | None = None  # the job's spec, when the command carries it
+    share: float = 0.0  # shed_requests: the fraction of each listed worker's queue it gives up
 
     @property
     def migration_id(self) -> str:
@@ -1253,7 +1255,7 @@ class SimHost:
         job = self._job_for(ctx)
         if job is None:
             return StepPlan(0.0, self._done({"requests": []}))
-        held = job.held.setdefault(ctx.side_key, [])
+        held = self._hold(job, ctx.side_key)
         for worker in self._listed(ctx):
             if worker.kind != ROLLOUT or worker.engine is None:
                 continue  # log-prob and reward work is re-partitioned by membership instead
@@ -1263,6 +1265,44 @@ class SimHost:
         held.sort(key=lambda r: (r["iteration"], r["episode"]))
         requests = list(held)
         return StepPlan(job.model.cost.workload_pause_s / 2, lambda: {"requests": requests})
+
+    def _step_shed_requests(self, ctx: StepContext) -> StepPlan:
+        """A growing rollout's old members give up ``share`` of the requests queued on them (not
+        yet running: no cache is lost) for redistribute_requests to hand to the new members."""
+        job = self._job_for(ctx)
+        if job is None:
+            return StepPlan(0.0, self._done({"requests": []}))
+        if ctx.side_key in job.held:  # another attempt: the same requests, nothing shed twice
+            again = list(job.held[ctx.side_key])
+            return StepPlan(0.0, lambda: {"requests": again})
+        if not 0.0 <= ctx.share <= 1.0:
+            raise HostError(f"step.share must be between 0 and 1, got {ctx.share}")
+        held = self._hold(job, ctx.side_key)
+        for worker in self._listed(ctx):
+            if worker.kind != ROLLOUT or worker.engine is None:
+                continue
+            for request in worker.engine.take_queued(int(len(worker.engine.local) * ctx.share)):
+                episode = self.requests.pop(request.rid, None)
+                if episode is None:
+                    continue
+                episode.rid = None
+                held.append(
+                    self._request_json(job, episode, request.context, request.generated, request.max_new)
+                )
+                job.episodes.pop(episode.key, None)
+                job.count(job.assigned, episode.key[0], episode.group, -1)
+        held.sort(key=lambda r: (r["iteration"], r["episode"]))
+        requests = list(held)
+        return StepPlan(HANDOVER_S_PER_REQUEST * len(requests), lambda: {"requests": requests})
+
+    @staticmethod
+    def _hold(job: HostJob, side_key: str) -> list[dict[str, Any]]:
+        """The list a step's taken requests are kept in for its retries and compensation; only
+        the last few migrations' are kept (a job runs one migration at a time)."""
+        if side_key not in job.held:
+            while len(job.held) >= HELD_SIDES_KEPT:
+                del job.held[next(iter(job.held))]
+        return job.held.setdefault(side_key, [])
 
     def _take_back(self, job: HostJob, worker: HostWorker) -> list[dict[str, Any]]:
         """Every unfinished episode the worker holds, with what it generated so far."""

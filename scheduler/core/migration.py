@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Decision
-from scheduler.core.hypergraph import Hypergraph, HyperNode, MigrationStrategy, Worker
+from scheduler.core.hypergraph import ComponentKind, Hypergraph, HyperNode, MigrationStrategy, Worker
 
 
 class StepKind(StrEnum):
@@ -41,6 +41,9 @@ class StepKind(StrEnum):
     TAKE_BACK_REQUESTS = "take_back_requests"
     REDISTRIBUTE_REQUESTS = "redistribute_requests"
     RELEASE_DEVICES = "release_devices"
+    # workload recipients (a serving group that grows): the members it had give the new ones a
+    # share of the requests queued on them, which no router would otherwise send there
+    SHED_REQUESTS = "shed_requests"
     # p2p (the trainer)
     RESERVE_DEVICES = "reserve_devices"
     TRANSFER_STATE = "transfer_state"
@@ -83,6 +86,7 @@ COMPENSATION: Mapping[StepKind, StepKind | None] = {
     StepKind.TAKE_BACK_REQUESTS: StepKind.RETURN_REQUESTS,
     StepKind.REDISTRIBUTE_REQUESTS: None,
     StepKind.RELEASE_DEVICES: None,
+    StepKind.SHED_REQUESTS: None,  # after the switch: rolls forward only
     StepKind.RESERVE_DEVICES: StepKind.RELEASE_RESERVATION,
     StepKind.TRANSFER_STATE: StepKind.DISCARD_TRANSFER,
     StepKind.REBUILD_GROUPS: StepKind.RESTORE_GROUPS,
@@ -104,6 +108,9 @@ class PlannedStep:
     rollback_kind: StepKind | None  # the compensating step, None when nothing to undo
     point_of_no_return: bool  # once done, this side of the plan only rolls forward
     rollback_estimated_s: float = 0.0
+    # shed_requests: the fraction of each listed worker's queued (not yet running) requests it
+    # gives up; 0 for every other kind
+    share: float = 0.0
 
     def devices_by_worker(self) -> dict[str, tuple[str, ...]]:
         """worker id -> its devices: ``device_ids`` split evenly, in order, across ``worker_ids``."""
@@ -146,6 +153,7 @@ class PlannedStep:
             "rollback_kind": self.rollback_kind.value if self.rollback_kind else None,
             "point_of_no_return": self.point_of_no_return,
             "rollback_estimated_s": self.rollback_estimated_s,
+            "share": self.share,
         }
 
     @classmethod
@@ -162,6 +170,7 @@ class PlannedStep:
             rollback_kind=StepKind(data["rollback_kind"]) if data["rollback_kind"] else None,
             point_of_no_return=bool(data["point_of_no_return"]),
             rollback_estimated_s=float(data.get("rollback_estimated_s", 0.0)),
+            share=float(data.get("share", 0.0)),
         )
 
 
@@ -234,7 +243,9 @@ class _SideBuilder:
 
     group_id: str
     strategy: MigrationStrategy
-    steps: list[tuple[StepKind, tuple[str, ...], tuple[str, ...], float, float]] = field(default_factory=list)
+    steps: list[tuple[StepKind, tuple[str, ...], tuple[str, ...], float, float, float]] = field(
+        default_factory=list
+    )
     point_of_no_return: StepKind | None = None
 
     def add(
@@ -244,9 +255,11 @@ class _SideBuilder:
         devices: Sequence[str],
         estimated_s: float,
         rollback_estimated_s: float = 0.0,
+        *,
+        share: float = 0.0,
     ) -> None:
         worker_ids = tuple(w if isinstance(w, str) else w.id for w in workers)
-        self.steps.append((kind, worker_ids, tuple(devices), estimated_s, rollback_estimated_s))
+        self.steps.append((kind, worker_ids, tuple(devices), estimated_s, rollback_estimated_s, share))
 
 
 def plan_migration(
@@ -301,7 +314,7 @@ def plan_migration(
 
     steps: list[PlannedStep] = []
     for side in sides:
-        for kind, worker_ids, device_ids, estimated_s, rollback_estimated_s in side.steps:
+        for kind, worker_ids, device_ids, estimated_s, rollback_estimated_s, share in side.steps:
             index = len(steps)
             steps.append(
                 PlannedStep(
@@ -316,6 +329,7 @@ def plan_migration(
                     rollback_kind=COMPENSATION[kind],
                     point_of_no_return=kind is side.point_of_no_return,
                     rollback_estimated_s=rollback_estimated_s if COMPENSATION[kind] else 0.0,
+                    share=share,
                 )
             )
     return MigrationPlan(migration_id=migration_id, decision=decision, steps=tuple(steps))
@@ -421,11 +435,24 @@ def _recipient_side(
                 strategy, gpus_moved=len(moved), recipient_gpus_after=len(devices_after)
             )
         else:
-            # A serving group grows by launching engines; the router feeds them after the switch.
+            # A serving group grows by launching engines; new requests reach them after the switch.
             total = cost_model.engine_launch_s()
         side.add(StepKind.START_WORKERS, new_workers, moved, 0.6 * total)
         side.add(StepKind.HEALTH_CHECK, new_workers, moved, 0.3 * total)
         side.add(StepKind.SWITCH, members, devices_after, 0.1 * total)
+        if (
+            strategy is MigrationStrategy.WORKLOAD
+            and recipient.kind is ComponentKind.ROLLOUT
+            and recipient.workers
+        ):
+            # Requests already dispatched wait on the old members (an iteration's batch goes out
+            # the moment it opens, before GPUs lent away can come home): each old member hands
+            # the new ones their share of its queue, so the group ends up evenly loaded.
+            old = recipient.workers
+            old_devices = [d.id for w in old for d in w.devices]
+            share = len(new_workers) / (len(old) + len(new_workers))
+            side.add(StepKind.SHED_REQUESTS, old, old_devices, cost_model.workload_pause_s / 2, share=share)
+            side.add(StepKind.REDISTRIBUTE_REQUESTS, new_workers, moved, cost_model.workload_pause_s / 2)
     side.point_of_no_return = StepKind.SWITCH
     return side
 

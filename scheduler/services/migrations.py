@@ -311,10 +311,21 @@ def advance(migration: Migration) -> None:
 
 def _handover_for(migration: Migration, step: PlannedStep) -> dict[str, Any]:
     """What an earlier step produced for this one: the requests taken back from paused donors go
-    to the remaining workers (redistribute) or back to the donors (return, on rollback)."""
+    to the remaining workers (redistribute) or back to the donors (return, on rollback); those a
+    growing group's old members shed go to its new members (redistribute)."""
     if step.kind not in (StepKind.REDISTRIBUTE_REQUESTS, StepKind.RETURN_REQUESTS):
         return {}
-    take_back = migration.steps.filter(kind=StepKind.TAKE_BACK_REQUESTS.value, is_rollback=False).first()
+    # The producer is the last step before this one on the same side that took requests away.
+    take_back = (
+        migration.steps.filter(
+            kind__in=(StepKind.TAKE_BACK_REQUESTS.value, StepKind.SHED_REQUESTS.value),
+            group=step.group_id,
+            index__lt=step.index + (1 if step.kind is StepKind.RETURN_REQUESTS else 0),
+            is_rollback=False,
+        )
+        .order_by("-index")
+        .first()
+    )
     if take_back is None:
         return {"requests": []}
     outcomes = take_back.result.get("attempts", {}).get(str(take_back.attempts), {})

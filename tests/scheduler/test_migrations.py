@@ -243,6 +243,36 @@ def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Jo
     assert handed == taken * len(take_back.nodes)
 
 
+def test_a_growing_rollout_hands_what_its_old_engines_shed_to_the_new_ones(running_job: Job) -> None:
+    """actor -> rollout: the rollout's donor side takes nothing back (the trainer holds no
+    requests), its recipient side sheds queued requests after the switch; the redistribute step
+    gets exactly those, not another step's."""
+    migrations.request_manual_migration(
+        running_job.pk, donor="actor", recipient="rollout", workers=1, actor=Actor.for_user(running_job.owner)
+    )
+    shed = [{"episode": 4, "iteration": 0}, {"episode": 9, "iteration": 0}]
+    for _ in range(30):
+        commands = queued_step_commands()
+        if any(c.payload["step"]["kind"] == "redistribute_requests" for c in commands):
+            break
+        assert commands, "the plan stopped before redistributing"
+        for c in commands:
+            step = c.payload["step"]
+            result = {"requests": shed} if step["kind"] == "shed_requests" else {}
+            migrations.report_step(
+                c.node, step["step_id"], ok=True, result=result, attempt=c.payload["attempt"]
+            )
+    shed_step = MigrationStep.objects.get(kind="shed_requests")
+    assert shed_step.worker_names and shed_step.result
+    redistribute = queued_step_commands()
+    assert [c.payload["step"]["kind"] for c in redistribute] == ["redistribute_requests"] * len(redistribute)
+    assert redistribute[0].payload["handover"]["requests"] == shed * len(shed_step.nodes)
+    new_workers = set(redistribute[0].payload["step"]["worker_ids"])
+    assert new_workers.isdisjoint(shed_step.worker_names), "the new engines receive, the old ones shed"
+    deliver_all()
+    assert Migration.objects.get(job=running_job).state == MigrationState.COMMITTED
+
+
 def deliver_until(kind: str) -> None:
     """Answer every queued step command ok until a step of ``kind`` is dispatched."""
     for _ in range(50):

@@ -1,5 +1,6 @@
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -153,6 +154,8 @@ def test_p2p_donor_order_and_workload_recipient() -> None:
         K.START_WORKERS,
         K.HEALTH_CHECK,
         K.SWITCH,
+        K.SHED_REQUESTS,
+        K.REDISTRIBUTE_REQUESTS,
     ]
     assert plan.steps[0].strategy is MigrationStrategy.P2P
     assert plan.steps[6].strategy is MigrationStrategy.WORKLOAD
@@ -161,6 +164,22 @@ def test_p2p_donor_order_and_workload_recipient() -> None:
     assert plan.steps[6].worker_ids == ("rollout-m1-w0", "rollout-m1-w1")
     # One point of no return per side, and the donor's release after its switch is not one.
     assert [s.index for s in plan.steps if s.point_of_no_return] == [3, 8]
+    # After the switch the 4 engines the rollout had hand a third of their queues to the 2 new
+    # ones; neither step has a compensation (the side only rolls forward by then).
+    shed, redistribute = plan.steps[9], plan.steps[10]
+    assert shed.worker_ids == ("r0", "r1", "r2", "r3") and shed.share == pytest.approx(2 / 6)
+    assert redistribute.worker_ids == ("rollout-m1-w0", "rollout-m1-w1")
+    assert redistribute.device_ids == ("n1-g2", "n1-g3")
+    assert shed.compensation() is None and redistribute.compensation() is None
+    assert PlannedStep.from_json(shed.to_json()) == shed
+
+
+def test_a_rollout_with_no_engine_left_grows_without_shedding() -> None:
+    graph = _graph()
+    empty = replace(graph.node("rollout"), workers=(), min_workers=0)
+    graph = replace(graph, nodes=(empty, *graph.nodes[1:]))
+    plan = plan_migration(_decision("actor", "rollout", ("n1-g2", "n1-g3")), graph, COSTS, migration_id="m1")
+    assert K.SHED_REQUESTS not in _kinds(plan)
 
 
 def test_one_sided_plans() -> None:

@@ -597,3 +597,66 @@ def test_in_wall_clock_time_a_background_thread_keeps_the_simulation_going() -> 
         assert backend.virtual_now() > 0
     finally:
         backend.close()
+
+
+def test_a_grown_rollout_sheds_its_queue_to_the_new_engine_and_finishes_every_episode_once(
+    clock: ManualClock,
+) -> None:
+    """The iteration's batch went out to one engine; an engine that joins later gets work only
+    because the old one sheds a share of its queue (what the plan's shed/redistribute steps do)."""
+    backend = manual_backends("a", clock=clock)["a"]
+    relay = Relay(JOB, math_spec(rollout=1, prompts=128, samples=8, max_new_tokens=2048), {"a": backend})
+    relay.launch("r0", "a", "rollout", [0])
+    relay.launch("a0", "a", "actor", [2])
+    relay.exchange()
+    clock.advance(0.2)
+    relay.exchange()
+    host = backend.simulation
+    with backend.lock:
+        old = host.workers["r0"].engine
+        assert old is not None
+        queued_before = len(old.local)
+    assert queued_before > 256, "the one engine holds the whole batch, most of it queued"
+    relay.launch("r1", "a", "rollout", [1])  # started, checked and switched in
+    relay.exchange()
+    shed = step(
+        "shed_requests", ["r0"], ["a/gpu0"], index=6, group="rollout", strategy="workload", migration="m7-2"
+    )
+    shed["step"]["share"] = 0.5
+    with backend.lock:
+        queued_now = len(old.local)
+    taken = backend.execute_step(shed)["requests"]
+    assert len(taken) == queued_now // 2 > 0
+    assert all(r["generated_tokens"] == 0 and r["from"] == "r0" for r in taken), "only queued work moves"
+    # Another attempt of the same step hands over the same requests and sheds nothing more.
+    shed["attempt"] = 2
+    assert backend.execute_step(shed)["requests"] == taken
+    placed = backend.execute_step(
+        step(
+            "redistribute_requests",
+            ["r1"],
+            ["a/gpu1"],
+            index=7,
+            group="rollout",
+            strategy="workload",
+            handover={"requests": taken},
+            migration="m7-2",
+        )
+    )
+    assert placed == {"placed": len(taken), "workers": {"r1": len(taken)}}
+    with backend.lock:
+        new = host.workers["r1"].engine
+        assert new is not None
+        assert len(old.local) + len(old.running) >= len(taken)
+        assert len(new.local) + len(new.running) == len(taken)
+    run_until(relay, clock, lambda: relay.iteration >= 1)
+    assert relay.entries["a"]["groups"]["rollout"]["completed"] == relay.total
+
+
+def test_a_shed_share_outside_zero_to_one_is_refused(clock: ManualClock) -> None:
+    backend, relay = rollout_host(clock)
+    relay.exchange()
+    shed = step("shed_requests", ["r0"], ["a/gpu0"], index=6, group="rollout", strategy="workload")
+    shed["step"]["share"] = 1.5
+    with pytest.raises(StepFailed, match="share"):
+        backend.execute_step(shed)

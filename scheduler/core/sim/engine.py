@@ -298,6 +298,14 @@ class Engine:
         self.epoch += 1
         return retracted
 
+    def take_queued(self, count: int) -> list[SimRequest]:
+        """Up to ``count`` requests dispatched here and not yet admitted, the last queued first
+        (those at the head would be admitted soonest)."""
+        taken: list[SimRequest] = []
+        while self.local and len(taken) < count:
+            taken.append(self.local.pop())
+        return taken
+
     def take_back_all(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Stop the engine: (requests that just finished, every other running or locally queued
         request with its progress kept as context)."""
