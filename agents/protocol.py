@@ -107,6 +107,8 @@ def _error_for(exc: Exception) -> JsonResponse | None:
         return error_response(403, "permission_denied", str(exc))
     if isinstance(exc, services.CommandNotFound | StepNotFound):
         return error_response(404, "not_found", f"no such command or step: {exc}")
+    if isinstance(exc, BodyTooLarge):
+        return error_response(413, "payload_too_large", str(exc))
     if isinstance(exc, IllegalTransition):
         return error_response(409, "conflict", str(exc))
     if isinstance(exc, redis.RedisError):
@@ -114,9 +116,25 @@ def _error_for(exc: Exception) -> JsonResponse | None:
     return None
 
 
+class BodyTooLarge(Exception):
+    """An agent request body over ``AGENT_MAX_BODY_BYTES``."""
+
+
 def _json_body(request: HttpRequest) -> Any:
+    # Agents' bodies have their own limit (a step report can carry a rollout's whole queue), not
+    # the browser forms' DATA_UPLOAD_MAX_MEMORY_SIZE that ``request.body`` enforces.
+    limit = settings.AGENT_MAX_BODY_BYTES
     try:
-        return json.loads(request.body or b"null")
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > limit:
+        raise BodyTooLarge(f"the request body is {length} bytes; agent requests may be at most {limit}")
+    raw = request.read(limit + 1)
+    if len(raw) > limit:
+        raise BodyTooLarge(f"the request body is over {limit} bytes, the most agent requests may send")
+    try:
+        return json.loads(raw or b"null")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise services.InvalidPayload([FieldError("", f"not valid JSON: {exc}")]) from exc
 

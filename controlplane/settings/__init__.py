@@ -208,6 +208,8 @@ AGENT_HEARTBEAT_INTERVAL_S = env_float("AGENT_HEARTBEAT_INTERVAL_S", 1.0)  # tol
 AGENT_COMMAND_REDELIVER_S = env_float("AGENT_COMMAND_REDELIVER_S", 30.0)  # unanswered commands go out again
 AGENT_POLL_FALLBACK_S = env_float("AGENT_POLL_FALLBACK_S", 5.0)  # long-polls recheck the database this often
 AGENT_DB_THREADS = env_int("AGENT_DB_THREADS", 4)  # threads (and DB connections) serving agent requests
+# Largest agent request body: a step report may carry every request a rollout handed over (MBs).
+AGENT_MAX_BODY_BYTES = env_int("AGENT_MAX_BODY_BYTES", 64 * 1024 * 1024)
 TELEMETRY_BUCKET_S = env_float("TELEMETRY_BUCKET_S", 10.0)  # one TelemetrySample row per worker per bucket
 TELEMETRY_RETENTION_HOURS = env_float("TELEMETRY_RETENTION_HOURS", 72.0)  # older rows are deleted
 TELEMETRY_LIVE_WINDOW_S = env_float("TELEMETRY_LIVE_WINDOW_S", 120.0)  # raw samples kept in Redis per job

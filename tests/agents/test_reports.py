@@ -228,3 +228,36 @@ def test_bad_report_names_fields(two_nodes: dict[str, Agent]) -> None:
     assert response.status_code == 400
     assert {f["path"] for f in response.json()["error"]["fields"]} == {"ok", "result", "workers.w.ok"}
     assert AgentCommand.objects.get(command_id=command["command_id"]).state == CommandState.DELIVERED
+
+
+def test_a_step_report_carrying_megabytes_of_requests_is_taken_and_one_over_the_limit_is_413(
+    client: Client, bootstrap: str, settings: Any
+) -> None:
+    """A rollout that hands over its queue reports every request: bigger than the 2.5 MB a
+    browser form may post, well within what agents may send."""
+    agents = {host: register(client, bootstrap, host, gpus=4)[0] for host in ("node-a", "node-b")}
+    owner = make_user("alice")
+    job = submit(owner, spec(rollout=6, actor=2))
+    for host, command in launch_commands(agents).items():
+        agents[host].report(command["command_id"], {"ok": True})
+    migrations.request_manual_migration(
+        job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(owner)
+    )
+    command = AgentCommand.objects.filter(kind="migration_step").select_related("node").first()
+    assert command is not None
+    agent = agents[command.node.name]
+    requests = [
+        {"episode": k, "iteration": 0, "context_tokens": 512, "from": "w" * 200} for k in range(16_384)
+    ]
+    body = {"ok": True, "result": {"requests": requests}}
+    settings.AGENT_MAX_BODY_BYTES = 1_000_000
+    refused = agent.report(command.command_id, body)
+    assert refused.status_code == 413
+    assert "at most 1000000" in refused.json()["error"]["message"]
+    assert AgentCommand.objects.get(pk=command.pk).state == command.state, "nothing recorded"
+    settings.AGENT_MAX_BODY_BYTES = 64 * 1024 * 1024
+    taken = agent.report(command.command_id, body)
+    assert taken.status_code == 200 and taken.json()["state"] == "done"
+    step = MigrationStep.objects.get(step_id=command.payload["step"]["step_id"])
+    stored = step.result["attempts"][str(step.attempts)][command.node.name]["result"]["requests"]
+    assert len(stored) == 16_384
