@@ -1359,9 +1359,12 @@ class SimHost:
             request = self._parse_request(job, raw, f"handover.requests[{position}]")
             if request is None or not targets:
                 continue
-            target = self._runnable(job, request["group"], targets[position % len(targets)])
+            # The control plane names each request's worker ("to"); without it, in turn.
+            named = raw.get("to")
+            preferred = named if isinstance(named, str) else targets[position % len(targets)]
+            target = self._runnable(job, request["group"], preferred)
             if target is None:
-                if targets[position % len(targets)] in self.workers:
+                if preferred in self.workers:
                     target = self._any_runnable(job, request["group"], position)
                 if target is None:
                     continue  # another host's share

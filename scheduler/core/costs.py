@@ -25,6 +25,9 @@ class MigrationCostModel:
     engine_start_s: float = 3.0  # bring up an inference engine on a GPU with weights already cached
     workload_pause_s: float = 0.3  # pause donors and take back pending / in-flight requests
     p2p_fixed_s: float = 0.5  # rebuild communication groups + barrier + switch
+    # What a deployment adds to the figures above (control-plane round trips per step, slow
+    # hosts): the measured / modelled duration of the job's recent migrations; 1 until measured.
+    measured_scale: float = 1.0
 
     @property
     def trainer_state_gb(self) -> float:
@@ -39,6 +42,21 @@ class MigrationCostModel:
         requests_taken_back: int = 0,
     ) -> float:
         """Wall time of one move from decision to switch, in seconds."""
+        return self.measured_scale * self._modelled_s(
+            strategy,
+            gpus_moved=gpus_moved,
+            recipient_gpus_after=recipient_gpus_after,
+            requests_taken_back=requests_taken_back,
+        )
+
+    def _modelled_s(
+        self,
+        strategy: MigrationStrategy,
+        *,
+        gpus_moved: int,
+        recipient_gpus_after: int,
+        requests_taken_back: int,
+    ) -> float:
         if gpus_moved <= 0:
             return 0.0
         if strategy is MigrationStrategy.RESTART:
@@ -54,4 +72,4 @@ class MigrationCostModel:
 
     def engine_launch_s(self) -> float:
         """Starting a fresh engine on a GPU given to a serving group."""
-        return self.engine_start_s
+        return self.measured_scale * self.engine_start_s

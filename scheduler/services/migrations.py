@@ -9,7 +9,9 @@ and only for the sides that passed their point of no return, so a group is never
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -61,9 +63,35 @@ class StepNotForNode(Exception):
     pass
 
 
-def cost_model_for(job: Job) -> MigrationCostModel:
+CALIBRATION_MIGRATIONS = 8  # a job's latest committed migrations that calibrate its cost model
+MEASURED_SCALE_BOUNDS = (0.25, 100.0)
+
+
+def modelled_costs(job: Job) -> MigrationCostModel:
+    """The cost model from the job's model size alone: what plans and their estimates use, so a
+    migration's ``estimated_s`` stays comparable with what it then took."""
     params_b = float(job.spec.get("model", {}).get("params_b", 7.0))
     return MigrationCostModel(model_params_b=params_b)
+
+
+def cost_model_for(job: Job) -> MigrationCostModel:
+    """What the job's policy weighs moves with: the modelled costs scaled by how long the job's
+    own latest committed migrations took against their estimates (the median ratio), so a policy
+    on a deployment slower than the model stops paying for moves that do not pay back."""
+    modelled = modelled_costs(job)
+    ratios = [
+        (finished - created).total_seconds() / estimated
+        for created, finished, estimated in Migration.objects.filter(
+            job=job, state=MigrationState.COMMITTED, finished_at__isnull=False, estimated_s__gt=0
+        )
+        .order_by("-finished_at")
+        .values_list("created_at", "finished_at", "estimated_s")[:CALIBRATION_MIGRATIONS]
+        if finished is not None
+    ]
+    if not ratios:
+        return modelled
+    low, high = MEASURED_SCALE_BOUNDS
+    return replace(modelled, measured_scale=min(high, max(low, statistics.median(ratios))))
 
 
 def open_migration(job: Job) -> Migration | None:
@@ -167,7 +195,7 @@ def create_migration(
 ) -> Migration:
     """Plan ``decision`` and start it. The caller holds the job's row lock. Raises PlanError."""
     migration_id = f"m{job.pk}-{decision_row.pk}"
-    plan = plan_migration(decision, graph, cost_model_for(job), migration_id=migration_id)
+    plan = plan_migration(decision, graph, modelled_costs(job), migration_id=migration_id)
     strategies = "+".join(s for s in (decision.donor_strategy, decision.recipient_strategy) if s)
     migration = Migration.objects.create(
         migration_id=migration_id,
@@ -286,6 +314,7 @@ def advance(migration: Migration) -> None:
             execution.report(step.step_id, True)
             _mark(row, StepState.DONE)
             continue
+        handover = _handover_for(migration, step)
         for node in nodes:
             AgentCommand.objects.create(
                 command_id=f"{row.step_id}@{node.name}#{row.attempts}",
@@ -298,7 +327,7 @@ def advance(migration: Migration) -> None:
                     "attempt": row.attempts,
                     "is_rollback": row.is_rollback,
                     "step": step.to_json(),
-                    "handover": _handover_for(migration, step),
+                    "handover": _handover_to(node, handover),
                     # A node new to the job learns what to run from the step itself.
                     **({"spec": migration.job.spec} if step.kind is StepKind.START_WORKERS else {}),
                 },
@@ -307,6 +336,15 @@ def advance(migration: Migration) -> None:
         break
     migration.execution = execution.to_json()
     migration.save(update_fields=["execution"])
+
+
+def _handover_to(node: Node, handover: Mapping[str, Any]) -> dict[str, Any]:
+    """A node's part of a handover: only the requests addressed to its workers (a rollout's whole
+    queue is megabytes; every node need not receive all of it)."""
+    by_node = handover.get("by_node")
+    if by_node is None:
+        return dict(handover)
+    return {"requests": by_node.get(node.name, [])}
 
 
 def _handover_for(migration: Migration, step: PlannedStep) -> dict[str, Any]:
@@ -332,7 +370,22 @@ def _handover_for(migration: Migration, step: PlannedStep) -> dict[str, Any]:
     requests: list[Any] = []
     for node in sorted(outcomes):
         requests.extend(outcomes[node].get("result", {}).get("requests", []))
-    return {"requests": requests}
+    if step.kind is StepKind.RETURN_REQUESTS or not step.worker_ids:
+        return {"requests": requests}
+    # Redistribute: request n goes to the n-th of the step's workers in turn (sorted), named in
+    # its "to", and each node is sent only those of its own workers.
+    targets = sorted(step.worker_ids)
+    devices = step.devices_by_worker()
+    node_of_device = dict(Device.objects.filter(uid__in=step.device_ids).values_list("uid", "node__name"))
+    node_of = {w: node_of_device.get(devices[w][0], "") if devices.get(w) else "" for w in targets}
+    by_node: dict[str, list[Any]] = {}
+    for position, request in enumerate(requests):
+        target = targets[position % len(targets)]
+        addressed = {**request, "to": target} if isinstance(request, Mapping) else request
+        by_node.setdefault(node_of[target], []).append(addressed)
+    if "" in by_node:  # a worker whose node is unknown: every node gets the whole list, in turn
+        return {"requests": requests}
+    return {"requests": requests, "by_node": by_node}
 
 
 def _step_row(migration: Migration, step: PlannedStep) -> MigrationStep:

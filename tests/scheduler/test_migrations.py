@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from agents.models import AgentCommand, CommandState, Device, Node, NodeStatus
 from controlplane.audit import Actor
 from controlplane.models import AuditEvent
 from jobs.models import Job, Worker, WorkerState
+from scheduler.core.hypergraph import MigrationStrategy
 from scheduler.models import HypergraphSnapshot, Migration, MigrationState, MigrationStep, StepState
 from scheduler.services import migrations
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
@@ -237,10 +240,38 @@ def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Jo
             migrations.report_step(c.node, c.payload["step"]["step_id"], ok=True, result=result, attempt=1)
     redistribute = queued_step_commands()
     assert redistribute and all(c.payload["step"]["kind"] == "redistribute_requests" for c in redistribute)
-    handed = redistribute[0].payload["handover"]["requests"]
     take_back = MigrationStep.objects.get(kind="take_back_requests")
-    # Every node that took requests back contributed its list.
-    assert handed == taken * len(take_back.nodes)
+    # Every node that took requests back contributed its list; each request goes to one staying
+    # worker, named, and only that worker's node is sent it.
+    assert handed_over(redistribute) == taken * len(take_back.nodes)
+
+
+def handed_over(commands: list[AgentCommand]) -> list[dict[str, object]]:
+    """The requests of redistribute commands, each checked to be addressed to a worker of the
+    command's own node, in the order the control plane assigned them (round robin)."""
+    placed = []
+    for command in commands:
+        step = command.payload["step"]
+        devices = dict(
+            zip(step["worker_ids"], _chunks(step["device_ids"], len(step["worker_ids"])), strict=True)
+        )
+        for request in command.payload["handover"]["requests"]:
+            worker = request["to"]
+            assert Device.objects.get(uid=devices[worker][0]).node_id == command.node_id
+            placed.append(request)
+    targets = sorted(commands[0].payload["step"]["worker_ids"])
+    by_worker: dict[str, list[dict[str, object]]] = {}
+    for request in placed:
+        by_worker.setdefault(request["to"], []).append(request)
+    ordered = []
+    for position in range(len(placed)):
+        ordered.append(by_worker[targets[position % len(targets)]].pop(0))
+    return [{k: v for k, v in r.items() if k != "to"} for r in ordered]
+
+
+def _chunks(items: list[str], parts: int) -> list[list[str]]:
+    size = len(items) // parts
+    return [items[k * size : (k + 1) * size] for k in range(parts)]
 
 
 def test_a_growing_rollout_hands_what_its_old_engines_shed_to_the_new_ones(running_job: Job) -> None:
@@ -266,7 +297,7 @@ def test_a_growing_rollout_hands_what_its_old_engines_shed_to_the_new_ones(runni
     assert shed_step.worker_names and shed_step.result
     redistribute = queued_step_commands()
     assert [c.payload["step"]["kind"] for c in redistribute] == ["redistribute_requests"] * len(redistribute)
-    assert redistribute[0].payload["handover"]["requests"] == shed * len(shed_step.nodes)
+    assert handed_over(redistribute) == shed * len(shed_step.nodes)
     new_workers = set(redistribute[0].payload["step"]["worker_ids"])
     assert new_workers.isdisjoint(shed_step.worker_names), "the new engines receive, the old ones shed"
     deliver_all()
@@ -348,3 +379,37 @@ def test_new_workers_past_the_switch_are_expected_on_their_node_before_the_commi
     assert {d["uid"] for w in shown for d in w["devices"]} == set(start.device_uids)
     deliver_all()
     assert expected_new() == new_workers  # now from their rows
+
+
+def test_the_policy_weighs_moves_at_what_the_jobs_migrations_took_not_the_model_alone(
+    running_job: Job,
+) -> None:
+    assert migrations.cost_model_for(running_job).measured_scale == 1.0  # nothing measured yet
+    for workers in (1, 1, 1):
+        migrations.request_manual_migration(
+            running_job.pk,
+            donor="rollout",
+            recipient="actor",
+            workers=workers,
+            actor=Actor.for_user(running_job.owner),
+        )
+        deliver_all()
+    done = list(Migration.objects.filter(job=running_job, state=MigrationState.COMMITTED).order_by("pk"))
+    assert len(done) == 3
+    for migration, ratio in zip(done, (2.0, 6.0, 40.0), strict=True):
+        migration.finished_at = migration.created_at + timedelta(seconds=migration.estimated_s * ratio)
+        migration.save(update_fields=["finished_at"])
+    calibrated = migrations.cost_model_for(running_job)
+    assert calibrated.measured_scale == pytest.approx(6.0)  # the median: one slow outlier does not rule
+    modelled = migrations.modelled_costs(running_job)
+    assert modelled.measured_scale == 1.0
+    p2p = {"gpus_moved": 2, "recipient_gpus_after": 4}
+    assert calibrated.estimate_s(MigrationStrategy.P2P, **p2p) == pytest.approx(
+        6.0 * modelled.estimate_s(MigrationStrategy.P2P, **p2p)
+    )
+    assert calibrated.engine_launch_s() == pytest.approx(6.0 * modelled.engine_launch_s())
+    # Plans keep the modelled estimates, so the next measurement is against the same yardstick.
+    nxt = migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
+    )
+    assert nxt.estimated_s <= done[-1].estimated_s  # not 6x: the actor only grew since
