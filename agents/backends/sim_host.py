@@ -56,6 +56,9 @@ ACTIVE_JOB_STATES = ("admitted", "running", "paused_scheduling")
 PAUSED_FOREVER_S = 1e12  # an engine paused by a migration step: no decode step until resumed
 JOB_RETENTION_S = 3600.0  # virtual seconds a job's progress is kept (and reported) once no worker is left
 HANDOVER_S_PER_REQUEST = 0.001  # MigrationCostModel's per-request hand-over time
+# A queued request shed to another engine carries no partial output or cache: the router only
+# sends its prompt elsewhere, a tenth of what a taken-back request costs.
+SHED_S_PER_REQUEST = 0.0001
 HELD_SIDES_KEPT = 8  # take-back / shed sides whose requests a job keeps for retries
 
 # Event kinds, in the order events of one instant run; telemetry samples come after all of them.
@@ -1293,7 +1296,7 @@ class SimHost:
                 job.count(job.assigned, episode.key[0], episode.group, -1)
         held.sort(key=lambda r: (r["iteration"], r["episode"]))
         requests = list(held)
-        return StepPlan(HANDOVER_S_PER_REQUEST * len(requests), lambda: {"requests": requests})
+        return StepPlan(SHED_S_PER_REQUEST * len(requests), lambda: {"requests": requests})
 
     @staticmethod
     def _hold(job: HostJob, side_key: str) -> list[dict[str, Any]]:
