@@ -424,6 +424,51 @@ def test_borrowed_gpus_go_back_at_a_synchronous_iteration_end_and_state_survives
     assert rebuilt.on_iteration_end(land(next_iteration, [back]), now=131.0) == []
 
 
+def next_batch_queued(graph: Hypergraph) -> dict[str, GroupSignals]:
+    """The iteration boundary: the rollout's few engines hold the whole new batch, the trainer
+    waits for its first mini-batch."""
+    rollout, actor = graph.node("rollout"), graph.node("actor")
+    return {
+        "rollout": make_signals(
+            rollout,
+            queue_length=4000,
+            in_flight=64,
+            max_in_flight_per_worker=64,
+            progress=0.0,
+            utilisation_mean=0.9,
+        ),
+        "actor": make_signals(actor, idle=len(actor.workers), busy=False, progress=0.0, utilisation_mean=0.0),
+    }
+
+
+def test_live_iteration_end_keeps_a_loan_the_pace_model_says_would_cost_more_than_it_gains():
+    graph = job()
+    policy = policy_with()
+    [lent] = policy.decide(graph, drained(graph), [], now=90.0)
+    graph = land(graph, [lent])
+    state = json.loads(json.dumps(policy.state_to_json()))
+    boundary = Hypergraph(job_id=graph.job_id, nodes=graph.nodes, iteration=1)
+    # The trainer is this job's bottleneck: shrinking it back for the rollout's next batch would
+    # finish the iteration later. Live (signals given) the loan stays, for the ticks to weigh...
+    live = policy_with(state)
+    assert live.on_iteration_end(boundary, now=130.0, signals=next_batch_queued(boundary)) == []
+    assert live.loans.outstanding(lender="rollout")
+    # ...while the simulator's rule (no signals) sends every loan home.
+    [back] = policy_with(state).on_iteration_end(boundary, now=130.0)
+    assert set(back.device_ids) == set(lent.device_ids)
+
+
+def test_live_iteration_end_always_returns_to_a_lender_left_without_workers():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    for now in (90.0, 92.0):
+        [leg] = policy.decide(graph, signals, [], now=now)
+        graph = land(graph, [leg])
+    assert not graph.node("rollout").workers and not graph.node("inference").workers
+    back = policy.on_iteration_end(replace(graph, iteration=1), now=120.0, signals=signals)
+    assert sorted((d.recipient, len(d.device_ids)) for d in back) == [("inference", 4), ("rollout", 4)]
+
+
 def test_nothing_goes_home_at_iteration_end_when_the_rollout_generates_ahead():
     graph = job()
     policy = policy_with()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
@@ -14,6 +14,7 @@ from scheduler.core.policies.moves import (
     IterationClock,
     LoanBook,
     PendingMoves,
+    ReturnMove,
     make_decision,
     movable_between_iterations,
 )
@@ -52,7 +53,13 @@ class SchedulingPolicy(Protocol):
         """group id -> GPUs at job start, or None to keep the job spec's placement."""
         ...
 
-    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]: ...
+    def on_iteration_end(
+        self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
+    ) -> list[Decision]:
+        """Moves for the iteration boundary. ``signals`` (the live tick passes them) lets a
+        policy weigh each move at the job's measured migration costs; without them (the
+        simulator) it applies its rule as is."""
+        ...
 
     def iteration_advanced(self, graph: Hypergraph) -> bool:
         """Whether ``graph`` is in a later iteration than the last one the policy saw, so the
@@ -116,7 +123,9 @@ class BasePolicy:
     def plan_initial_split(self, total_gpus: int, groups: Sequence[HyperNode]) -> dict[str, int] | None:
         return None
 
-    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+    def on_iteration_end(
+        self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
+    ) -> list[Decision]:
         return []
 
     def iteration_advanced(self, graph: Hypergraph) -> bool:
@@ -135,11 +144,16 @@ class BasePolicy:
             self.cooldowns.mark((decision.donor, decision.recipient), now)
         return list(decisions)
 
-    def _return_loans(self, graph: Hypergraph, now: float) -> list[Decision]:
-        """At an iteration boundary, every loan whose groups may move between iterations goes home."""
+    def _return_loans(
+        self, graph: Hypergraph, now: float, worth: Callable[[ReturnMove], bool] | None = None
+    ) -> list[Decision]:
+        """At an iteration boundary, every loan whose groups may move between iterations goes
+        home (those ``worth`` approves, when given; the others stay on loan)."""
         decisions = []
         for move in self.loans.return_moves(graph):
             if not movable_between_iterations(move.borrower) or not movable_between_iterations(move.lender):
+                continue
+            if worth is not None and not worth(move):
                 continue
             device_ids = [d.id for d in move.devices]
             decisions.append(

@@ -243,7 +243,9 @@ class BidirectionalPolicy(BasePolicy):
                     busy.update((borrower.id, lender.id))
         return self._issued(decisions, now)
 
-    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+    def on_iteration_end(
+        self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
+    ) -> list[Decision]:
         self._sync(graph, now)
         return self._issued(self._return_loans(graph, now), now)
 

@@ -12,6 +12,7 @@ from scheduler.core.hypergraph import ComponentKind, Device, Hypergraph, HyperNo
 from scheduler.core.policies.base import BasePolicy, Placement
 from scheduler.core.policies.moves import (
     PendingMove,
+    ReturnMove,
     bundles,
     devices_of,
     make_decision,
@@ -297,15 +298,34 @@ class DynaRLPolicy(BasePolicy):
         window = max((s.window_s for g, s in signals.items() if g in model.rollout_ids), default=0.0)
         self.memory.note_rollout_resize(model.rollout, model.rollout.gpus + delta, now, cost + window + 1.0)
 
-    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+    def on_iteration_end(
+        self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
+    ) -> list[Decision]:
         """Every borrowed GPU goes home for the next iteration's rollout, unless the rollout is
-        already generating it (asynchronous RL): then the ticks weigh each return."""
+        already generating it (asynchronous RL): then the ticks weigh each return. Given the
+        signals (live), a return goes only if the pace model says it pays for itself at the
+        job's measured migration cost, or if its lender has no worker left; the ticks weigh the
+        loans kept (``_best_return``)."""
         self._sync(graph, now)
         self._low_since.clear()
         self._plan = []
         if self.memory.generating_ahead(graph.iteration):
             return []
-        return self._issued(self._return_loans(graph, now), now)
+        if signals is None:
+            return self._issued(self._return_loans(graph, now), now)
+        self.memory.observe(graph, signals, now)
+        model = self._model(graph, signals, now)
+        base = model.finish_s()
+
+        def worth(move: ReturnMove) -> bool:
+            if not move.lender.workers:
+                return True
+            candidate = self._score(
+                model, base, _Move(move.borrower, move.lender, move.devices, move.workers), signals
+            )
+            return candidate.rejected_because is None
+
+        return self._issued(self._return_loans(graph, now, worth), now)
 
     # -- triggers ------------------------------------------------------------------------------
 

@@ -209,7 +209,9 @@ class RLinfAutoPolicy(BasePolicy):
                     free = [d for d in free if d.id not in taken]
         return self._issued(decisions, now)
 
-    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+    def on_iteration_end(
+        self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
+    ) -> list[Decision]:
         """Every group goes back to its starting placement; the actor to its starting size."""
         self._sync(graph, now)
         self._remember_home(graph)

@@ -50,7 +50,7 @@ class SerialDriver:
         self.iteration_ended = self.policy.iteration_advanced(graph)
         if self.iteration_ended:
             # The boundary's moves go first: they set up the next iteration's split.
-            self.queued[:0] = self.policy.on_iteration_end(graph, now)
+            self.queued[:0] = self.policy.on_iteration_end(graph, now, signals)
         free = {d.id for d in free_devices}
         while self.queued:
             decision = self.queued.pop(0)

@@ -105,7 +105,9 @@ class SimPolicy(Protocol):
 
     def plan_initial_split(self, total_gpus: int, groups: Sequence[HyperNode]) -> dict[str, int] | None: ...
 
-    def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]: ...
+    def on_iteration_end(
+        self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
+    ) -> list[Decision]: ...
 
 
 class SimulationStalled(RuntimeError):
