@@ -194,7 +194,9 @@ def test_step_reports_drive_the_migration(client: Client, bootstrap: str) -> Non
     assert AuditEvent.objects.filter(verb="migration.step.report", actor__startswith="agent:").exists()
 
 
-def test_step_report_by_step_id(client: Client, bootstrap: str) -> None:
+def first_step_command(client: Client, bootstrap: str) -> tuple[dict[str, Agent], AgentCommand]:
+    """Two registered nodes running a job, a one-worker rollout -> actor migration requested:
+    the agents and the migration's first step command."""
     agents = {host: register(client, bootstrap, host, gpus=4)[0] for host in ("node-a", "node-b")}
     owner = make_user("alice")
     job = submit(owner, spec(rollout=6, actor=2))
@@ -205,6 +207,11 @@ def test_step_report_by_step_id(client: Client, bootstrap: str) -> None:
     )
     command = AgentCommand.objects.filter(kind="migration_step").select_related("node").first()
     assert command is not None
+    return agents, command
+
+
+def test_step_report_by_step_id(client: Client, bootstrap: str) -> None:
+    agents, command = first_step_command(client, bootstrap)
     step_id, attempt = command.payload["step"]["step_id"], command.payload["attempt"]
     mine, other = agents[command.node.name], agents["node-b" if command.node.name == "node-a" else "node-a"]
     url = f"/api/v1/agent/steps/{quote(step_id, safe='')}/report"
@@ -235,16 +242,7 @@ def test_a_step_report_carrying_megabytes_of_requests_is_taken_and_one_over_the_
 ) -> None:
     """A rollout that hands over its queue reports every request: bigger than the 2.5 MB a
     browser form may post, well within what agents may send."""
-    agents = {host: register(client, bootstrap, host, gpus=4)[0] for host in ("node-a", "node-b")}
-    owner = make_user("alice")
-    job = submit(owner, spec(rollout=6, actor=2))
-    for host, command in launch_commands(agents).items():
-        agents[host].report(command["command_id"], {"ok": True})
-    migrations.request_manual_migration(
-        job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(owner)
-    )
-    command = AgentCommand.objects.filter(kind="migration_step").select_related("node").first()
-    assert command is not None
+    agents, command = first_step_command(client, bootstrap)
     agent = agents[command.node.name]
     requests = [
         {"episode": k, "iteration": 0, "context_tokens": 512, "from": "w" * 200} for k in range(16_384)
