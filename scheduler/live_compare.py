@@ -1,7 +1,7 @@
 """Scheduling policies compared on the live stack: one job spec, run to its last iteration under
 each policy, each on its own fresh and identical set of simulated nodes.
 
-    python -m scheduler.load_bench --compare static-disaggregated,dynarl --nodes 8 --iterations 10
+    python -m scheduler.load_bench --compare static-disaggregated,dynarl --nodes 8 --iterations 5
     python -m scheduler.load_bench --compare static-disaggregated,dynarl --spec job.yaml --hardware H100
 
 The control plane comes up once as deployed (``scheduler.load_bench.ControlPlane``). Then, one policy
@@ -48,7 +48,9 @@ from scheduler.load_bench import (
 )
 
 DEFAULT_NODES = 8
-DEFAULT_SPEED = 10.0
+# Real time: a migration's control-plane round trips (~0.3 s a step) then weigh against the
+# workload as they would on real GPUs; at speed s they cost s times more simulated time.
+DEFAULT_SPEED = 1.0
 
 
 @dataclass

@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpus-per-job", type=int, default=32)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds measured once the jobs run")
     parser.add_argument(
-        "--speed", type=float, default=None, help="sim seconds per wall second (default 4; 10 with --compare)"
+        "--speed", type=float, default=None, help="sim seconds per wall second (default 4; 1 with --compare)"
     )
     parser.add_argument("--agent-processes", type=int, default=4, help="processes the agents share")
     parser.add_argument("--servers", type=int, default=os.cpu_count() or 1, help="daphne processes")
