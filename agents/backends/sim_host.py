@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -1284,16 +1284,9 @@ class SimHost:
         for worker in self._listed(ctx):
             if worker.kind != ROLLOUT or worker.engine is None:
                 continue
-            for request in worker.engine.take_queued(int(len(worker.engine.local) * ctx.share)):
-                episode = self.requests.pop(request.rid, None)
-                if episode is None:
-                    continue
-                episode.rid = None
-                held.append(
-                    self._request_json(job, episode, request.context, request.generated, request.max_new)
-                )
-                job.episodes.pop(episode.key, None)
-                job.count(job.assigned, episode.key[0], episode.group, -1)
+            shed = self._detach(job, worker.engine.take_queued(int(len(worker.engine.local) * ctx.share)))
+            self._forget(job, shed)
+            held.extend(shed)
         held.sort(key=lambda r: (r["iteration"], r["episode"]))
         requests = list(held)
         return StepPlan(SHED_S_PER_REQUEST * len(requests), lambda: {"requests": requests})
@@ -1313,23 +1306,33 @@ class SimHost:
         finished, taken = worker.engine.take_back_all(self.now)
         for request in finished:
             self._turn_done(worker, request)
-        out: list[dict[str, Any]] = []
-        for request in taken:
-            episode = self.requests.pop(request.rid, None)
-            if episode is None:
-                continue
-            episode.rid = None
-            out.append(self._request_json(job, episode, request.context, request.generated, request.max_new))
+        out = self._detach(job, taken)
         for episode in [
             e for e in job.episodes.values() if e.worker == worker.name and e.tool_until is not None
         ]:
             episode.tool_epoch += 1
             out.append(self._request_json(job, episode, episode.context, 0, job.model.max_new_tokens))
-        for item in out:
+        self._forget(job, out)
+        return out
+
+    def _detach(self, job: HostJob, requests: Iterable[SimRequest]) -> list[dict[str, Any]]:
+        """Requests taken off an engine, as handover entries with what they generated so far."""
+        out: list[dict[str, Any]] = []
+        for request in requests:
+            episode = self.requests.pop(request.rid, None)
+            if episode is None:
+                continue
+            episode.rid = None
+            out.append(self._request_json(job, episode, request.context, request.generated, request.max_new))
+        return out
+
+    @staticmethod
+    def _forget(job: HostJob, handed_over: Iterable[Mapping[str, Any]]) -> None:
+        """Handed-over episodes are no longer this host's: whoever places them counts them."""
+        for item in handed_over:
             key = (item["iteration"], item["episode"])
             job.episodes.pop(key, None)
             job.count(job.assigned, key[0], item["group"], -1)
-        return out
 
     def _request_json(
         self, job: HostJob, episode: Episode, context: int, generated: int, max_new: int
