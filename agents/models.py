@@ -16,10 +16,18 @@ class NodeStatus(models.TextChoices):
     DRAINED = "drained"  # taken out of admission by an operator
 
 
+def default_backends() -> list[str]:
+    return ["sim"]
+
+
 class Node(models.Model):
     name = models.CharField(max_length=200, unique=True, help_text="host name the agent registered with")
     status = models.CharField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.READY)
     backend = models.CharField(max_length=16, default="sim", help_text="execution backend: sim or ray")
+    backends = models.JSONField(
+        default=default_backends,
+        help_text="the job backends its agent runs (a job's spec `backend` must be one of them)",
+    )
     agent_version = models.CharField(max_length=32, blank=True, default="")
     labels = models.JSONField(default=dict, blank=True)
     registered_at = models.DateTimeField(default=timezone.now)
@@ -31,6 +39,15 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def offers(self, backend: str) -> bool:
+        """Does this node's agent run jobs of ``backend``?"""
+        return backend in self.backends
+
+
+def offering(backend: str, *, via: str = "") -> models.Q:
+    """Rows whose node's agent runs jobs of ``backend``: nodes, or with ``via="node__"`` devices."""
+    return models.Q(**{f"{via}backends__contains": [backend]})
 
 
 class DeviceStatus(models.TextChoices):

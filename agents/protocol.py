@@ -186,6 +186,7 @@ def node_json(node: Node) -> dict[str, Any]:
         "status": node.status,
         "status_reason": node.status_reason,
         "backend": node.backend,
+        "backends": list(node.backends),
         "agent_version": node.agent_version,
         "labels": node.labels,
         "registered_at": node.registered_at.isoformat(),

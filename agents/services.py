@@ -49,6 +49,7 @@ from controlplane.models import AuditEvent
 from controlplane.transitions import check_transition
 from jobs import services as job_services
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerGroup, WorkerState
+from jobs.spec import BACKENDS as JOB_BACKENDS
 from scheduler import progress, telemetry
 from scheduler.services.migrations import workers_released_in_flight, workers_switched_in_flight
 from scheduler.telemetry import FieldError
@@ -145,6 +146,7 @@ class DeviceSpec:
 class Registration:
     host: str
     backend: str
+    backends: tuple[str, ...]  # the job backends the agent runs
     agent_version: str
     labels: dict[str, Any]
     devices: tuple[DeviceSpec, ...]
@@ -158,9 +160,12 @@ def parse_registration(payload: Any) -> Registration:
         errors.append(
             FieldError("host", "letters, digits, '.', '_' and '-' only, starting with a letter or digit")
         )
-    backend = _text(data, "backend", errors, max_length=16, default="sim")
-    if backend not in ("sim", "ray"):
-        errors.append(FieldError("backend", "must be 'sim' or 'ray'"))
+    backends = _backends(data, errors)
+    backend = _text(data, "backend", errors, max_length=16, default=backends[0] if backends else "sim")
+    if backend not in JOB_BACKENDS:
+        errors.append(FieldError("backend", f"must be {_either(JOB_BACKENDS)}"))
+    elif backends and backend not in backends:
+        errors.append(FieldError("backends", f"must include the agent's backend {backend!r}"))
     agent_version = _text(data, "agent_version", errors, max_length=32, default="")
     labels = data.get("labels", {})
     if not isinstance(labels, Mapping):
@@ -200,10 +205,34 @@ def parse_registration(payload: Any) -> Registration:
     return Registration(
         host=host,
         backend=backend,
+        backends=backends or (backend,),
         agent_version=agent_version,
         labels=dict(labels),
         devices=tuple(devices),
     )
+
+
+def _either(names: Iterable[str]) -> str:
+    return " or ".join(repr(n) for n in names)
+
+
+def _backends(data: Mapping[str, Any], errors: list[FieldError]) -> tuple[str, ...]:
+    """The optional ``backends`` list; empty when absent (an older agent: its ``backend`` alone)."""
+    raw = data.get("backends")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        errors.append(FieldError("backends", "must be a non-empty list of backend names"))
+        return ()
+    found: list[str] = []
+    for i, name in enumerate(raw):
+        if not isinstance(name, str) or name not in JOB_BACKENDS:
+            errors.append(FieldError(f"backends[{i}]", f"must be {_either(JOB_BACKENDS)}"))
+        elif name in found:
+            errors.append(FieldError(f"backends[{i}]", f"{name!r} is listed twice"))
+        else:
+            found.append(name)
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -356,10 +385,12 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
         node = Node.objects.select_for_update().filter(name=spec.host).first()
         created = node is None
         previous_status = ""
+        previous_backends: list[str] | None = None
         if node is None:
             node = Node.objects.create(
                 name=spec.host,
                 backend=spec.backend,
+                backends=list(spec.backends),
                 agent_version=spec.agent_version,
                 labels=spec.labels,
                 registered_at=now,
@@ -369,13 +400,22 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
             )
         else:
             previous_status = node.status
+            previous_backends = list(node.backends)
             node.backend = spec.backend
+            node.backends = list(spec.backends)
             node.agent_version = spec.agent_version
             node.labels = spec.labels
             node.registered_at = now
             node.last_heartbeat_at = now
             node.save(
-                update_fields=["backend", "agent_version", "labels", "registered_at", "last_heartbeat_at"]
+                update_fields=[
+                    "backend",
+                    "backends",
+                    "agent_version",
+                    "labels",
+                    "registered_at",
+                    "last_heartbeat_at",
+                ]
             )
             if node.status == NodeStatus.LOST:
                 _restore_node(node, actor, why="registered again")
@@ -395,8 +435,18 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
                 "token_rotated": not created,
                 "commands_requeued": requeued,
                 "agent_version": spec.agent_version,
+                "backends": list(spec.backends),
             },
         )
+        if previous_backends is not None and previous_backends != node.backends:
+            # From now on admission places jobs here by the new list; workers already here stay.
+            audit.record(
+                actor,
+                "node.backends_changed",
+                node,
+                reason=f"backends {', '.join(previous_backends)} -> {', '.join(node.backends)}",
+                payload={"from": previous_backends, "to": node.backends},
+            )
         devices = list(Device.objects.filter(node=node).order_by("index"))
         workers, jobs = expected_workers(node)
         node_id = node.pk

@@ -353,7 +353,8 @@ def cmd_nodes(cli: Cli) -> int:
         [
             n["name"],
             n["status"],
-            n["backend"],
+            # The job backends admission places here by (older servers send only `backend`).
+            ",".join(n.get("backends") or [n["backend"]]),
             n["hardware"],
             n["devices_total"],
             n["devices_free"],

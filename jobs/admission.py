@@ -9,12 +9,12 @@ from __future__ import annotations
 from django.db import connection, transaction
 
 from agents import commands
-from agents.models import Device, DeviceStatus
+from agents.models import Device, DeviceStatus, NodeStatus
 from controlplane.audit import Actor
 from jobs import services
 from jobs.models import Job, JobReason, JobState, Worker, WorkerGroup
 from jobs.spec import JobSpec
-from scheduler.core.placement import PlacementFailure, fits_in, place
+from scheduler.core.placement import PlacementFailure, place
 
 ADMISSION_LOCK_KEY = 0x64796E61  # "dyna"
 
@@ -25,23 +25,31 @@ def admit_pending(*, actor: Actor) -> list[Job]:
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ADMISSION_LOCK_KEY])
-        # Only devices of ready nodes that are not lost are handed out; but a job is refused as
-        # never fitting only if the whole cluster could not hold it: lost and drained nodes may
-        # come back.
-        cluster = services.schedulable_devices()
-        cluster_core = services.core_devices(cluster)
-        whole_cluster = services.core_devices(list(Device.objects.select_related("node")))
+        # Devices of ready nodes that are not lost are handed out; but ranks count over every
+        # registered device, and a job is refused as never fitting only if the whole cluster
+        # could not hold it: lost and drained nodes may come back.
+        cluster = services.registered_devices()
+        # Backends whose pending jobs wait behind a job of higher priority that shares their nodes.
+        held_back: set[str] = set()
         for job in (
             Job.objects.select_for_update(no_key=True)
             .filter(state=JobState.PENDING)
             .order_by("-priority", "submitted_at", "id")
         ):
             spec = JobSpec.from_json(job.spec)
+            if spec.backend in held_back:
+                continue
             requests = services.group_requests(spec)
-            free = [d for d in cluster if d.status == DeviceStatus.FREE and d.worker_id is None]
-            result = place(requests, services.core_devices(free), cluster_core)
+            # A job runs only where the node's agent runs its backend (a ray job never on sim hosts).
+            pool = services.backend_devices(cluster, spec.backend)
+            free = [
+                d
+                for d in pool
+                if d.status == DeviceStatus.FREE and d.worker_id is None and d.node.status == NodeStatus.READY
+            ]
+            result = place(requests, services.core_devices(free), services.core_devices(pool))
             if isinstance(result, PlacementFailure):
-                never = fits_in(requests, whole_cluster)
+                never = services.never_fits(requests, cluster, spec.backend)
                 if never is not None:
                     services.transition(
                         job,
@@ -51,13 +59,15 @@ def admit_pending(*, actor: Actor) -> list[Job]:
                         f"{never.group}: {never.reason} (the cluster changed since submission)",
                     )
                     continue
-                detail = f"waiting for devices: {result.group}: {result.reason}"
+                detail = _waiting_detail(spec.backend, result, cluster)
                 if job.state_detail != detail:
                     job.state_reason, job.state_detail = JobReason.WAITING_FOR_DEVICES, detail
                     job.save(update_fields=["state_reason", "state_detail"])
-                # Strict priority order: a job that waits holds back the ones behind it, so a
-                # large job is never starved by a stream of small ones.
-                break
+                # Strict priority order: a job that waits holds back the ones behind it that could
+                # use the same nodes, so a large job is never starved by a stream of small ones.
+                held_back.add(spec.backend)
+                held_back.update(b for d in pool for b in d.node.backends)
+                continue
             by_uid = {d.uid: d for d in cluster}
             launches: dict[Worker, list[Device]] = {}
             for group in WorkerGroup.objects.filter(job=job):
@@ -78,3 +88,17 @@ def admit_pending(*, actor: Actor) -> list[Job]:
             commands.queue_launch(launches, job_spec=job.spec)
             admitted.append(job)
     return admitted
+
+
+def _waiting_detail(backend: str, failure: PlacementFailure, cluster: list[Device]) -> str:
+    """What a pending job waits for, for the operator: a node running its backend, or devices."""
+    ready = {d.node.name: d.node for d in cluster if d.node.status == NodeStatus.READY}
+    if not any(node.offers(backend) for node in ready.values()):
+        others = sorted({b for node in ready.values() for b in node.backends})
+        return f"waiting for a node whose agent runs the {backend!r} backend: no ready node offers it" + (
+            f" (ready nodes run {', '.join(others)})" if others else ""
+        )
+    detail = f"waiting for devices: {failure.group}: {failure.reason}"
+    if not all(node.offers(backend) for node in ready.values()):
+        detail += f" (on the nodes running the {backend!r} backend)"
+    return detail

@@ -65,8 +65,13 @@ RLINF_COMPONENTS: Final[Mapping[str, ComponentKind]] = {
     "env": ComponentKind.TOOL,
     "agent": ComponentKind.TOOL,
 }
-# RLinf's special node group: placement ranks are whole nodes (CPU processes), not GPUs.
+# RLinf's reserved node-group labels: "cluster" is every node, and "node" places processes on
+# whole nodes (CPU processes), not on GPUs.
+CLUSTER_GROUP: Final = "cluster"
 NODE_LEVEL_GROUP: Final = "node"
+RESERVED_GROUP_LABELS: Final = (CLUSTER_GROUP, NODE_LEVEL_GROUP)
+# RLinf's hardware type of accelerators (GPUs, NPUs): what a group's ranks count unless it says otherwise.
+ACCELERATOR_HARDWARE: Final = "Accelerator"
 
 DYNARL_SECTION_KEYS: Final = (
     "name",
@@ -184,9 +189,11 @@ class _RLinfSection(_Section):
 
 @dataclass(frozen=True)
 class _NodeGroup:
+    """An RLinf node group: a label naming a set of node ranks (not a hardware type)."""
+
     label: str
-    gpus: tuple[int, ...]  # global GPU ranks of the group's nodes, in rank order
-    other_hardware: str | None  # set when the group's resources are robots or other devices, not GPUs
+    gpus: tuple[int, ...]  # global GPU ranks of the group's nodes (its node_ranks), in node-rank order
+    other_hardware: str | None  # what its ranks count when not GPUs (robots, CPU-only nodes)
 
 
 @dataclass
@@ -196,7 +203,6 @@ class _Placed:
     key: str
     names: tuple[str, ...]
     ranks: tuple[int, ...] | None  # global GPU ranks; None when the entry is bad
-    hardware: tuple[str, ...]
 
     @property
     def path(self) -> str:
@@ -367,6 +373,12 @@ def _read_node_groups(
             continue
         entry = cluster.child(item, path)
         label = _label(entry, "label", required=True)
+        if label in RESERVED_GROUP_LABELS:
+            entry.fail(
+                "label",
+                f"{label!r} is reserved by RLinf ({', '.join(RESERVED_GROUP_LABELS)}); choose another",
+            )
+            label = None
         node_ranks: tuple[int, ...] | None = None
         written = entry.raw("node_ranks")
         if written is _ABSENT:
@@ -386,6 +398,7 @@ def _read_node_groups(
             entry.fail("label", f"node group {label!r} is defined twice")
             ok = False
             continue
+        # Node rank k holds global GPU ranks k*G .. k*G+G-1 (docs/job-spec.md, "Node ranks").
         gpus = tuple(node * gpus_per_node + local for node in node_ranks for local in range(gpus_per_node))
         groups[label] = _NodeGroup(label=label, gpus=gpus, other_hardware=other_hardware)
     return groups if ok else None
@@ -407,12 +420,21 @@ def _label(section: _RLinfSection, key: str, *, required: bool = False) -> str |
 
 
 def _other_hardware(entry: _RLinfSection) -> str | None:
+    """What a node group's placement ranks count when they are not its nodes' GPUs: RLinf's
+    ``hardware`` block (robots: its ``type``), a ``hardware_type`` other than accelerators, or
+    ``ignore_hardware: true`` (CPU-only). None for GPUs. The GPUs' model is never stated here: it
+    is whatever the nodes at those ranks have."""
     written = entry.resolved_or_absent("hardware")
-    if written is _ABSENT or written is None:
-        return None
-    if isinstance(written, Mapping) and isinstance(written.get("type"), str):
-        return str(written["type"])
-    return "non-GPU"
+    if written is not _ABSENT and written is not None:
+        if isinstance(written, Mapping) and isinstance(written.get("type"), str):
+            return f"{written['type']} hardware"
+        return "non-GPU hardware"
+    hardware_type = entry.resolved_or_absent("hardware_type")
+    if isinstance(hardware_type, str) and hardware_type != ACCELERATOR_HARDWARE:
+        return f"{hardware_type} hardware"
+    if entry.resolved_or_absent("ignore_hardware") is True:
+        return "CPU-only nodes (ignore_hardware)"
+    return None
 
 
 def _read_placement(
@@ -449,56 +471,117 @@ def _read_placement(
                 placed_under[name] = key
         if not names_ok:
             continue
-        ranks, hardware = _entry_ranks(placement, key, total_gpus, groups)
-        entries.append(_Placed(key=key, names=names, ranks=ranks, hardware=hardware))
+        entries.append(_Placed(key=key, names=names, ranks=_entry_ranks(placement, key, total_gpus, groups)))
     return entries
 
 
 def _entry_ranks(
     placement: _RLinfSection, key: str, total_gpus: int | None, groups: Mapping[str, _NodeGroup] | None
-) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
-    """The entry's global GPU ranks (None when bad) and its hardware affinity."""
+) -> tuple[int, ...] | None:
+    """The entry's global GPU ranks; None when bad (already reported).
+
+    In the node-group form the ranks count the GPUs of the group's nodes, in node-rank order;
+    several groups (``node_group: "a800,4090"`` or a list) count on across them in the order
+    given, as in RLinf. A group names nodes, not a hardware type: no hardware affinity follows.
+    """
     value = placement.raw(key)
     if value is _REPORTED:
-        return None, ()
+        return None
     if not isinstance(value, Mapping):
-        return _ranks(placement, key, value, total_gpus, None), ()
+        return _ranks(placement, key, value, total_gpus, None)
     entry = placement.child(value, placement.path_of(key))
-    label = _label(entry, "node_group", required=True)
+    labels = _group_labels(entry)
     written = entry.raw("placement")
     if written is _ABSENT:
         entry.fail("placement", "is required in the node-group form (resource ranks within the group)")
-        return None, ()
-    if label is None or written is _REPORTED:
-        return None, ()
-    if label == NODE_LEVEL_GROUP:
+        return None
+    if labels is None or written is _REPORTED:
+        return None
+    chosen = _chosen_groups(entry, labels, total_gpus, groups)
+    if chosen is None:
+        return None
+    gpus = tuple(gpu for group in chosen for gpu in group.gpus)
+    names = " + ".join(repr(g.label) for g in chosen)
+    what = f"node group {names}" if len(chosen) == 1 else f"node groups {names}"
+    local = _ranks(entry, "placement", written, len(gpus), f"the {len(gpus)} GPUs of {what}")
+    if local is None:
+        return None
+    return tuple(sorted(gpus[rank] for rank in local))
+
+
+def _group_labels(entry: _RLinfSection) -> tuple[str, ...] | None:
+    """``node_group``: one label, several joined by commas, or a list of labels."""
+    written = entry.resolved_or_absent("node_group")
+    if isinstance(written, list):
+        labels: list[str] = []
+        for item in written:
+            if isinstance(item, bool) or not isinstance(item, str | int) or item == "":
+                entry.fail("node_group", f"must list node-group labels (names), got {_describe(item)}")
+                return None
+            labels.append(str(item))
+    else:
+        label = _label(entry, "node_group", required=True)
+        if label is None:
+            return None
+        labels = [part.strip() for part in label.split(",")]
+    if not labels or "" in labels:
+        entry.fail("node_group", "names an empty node-group label")
+        return None
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        entry.fail("node_group", f"names node group {repeated[0]!r} twice")
+        return None
+    return tuple(labels)
+
+
+def _chosen_groups(
+    entry: _RLinfSection,
+    labels: Sequence[str],
+    total_gpus: int | None,
+    groups: Mapping[str, _NodeGroup] | None,
+) -> list[_NodeGroup] | None:
+    """The node groups ``labels`` name (RLinf's ``cluster`` is every node); None when one is bad."""
+    if NODE_LEVEL_GROUP in labels:
         entry.fail(
             "node_group",
             f"node group {NODE_LEVEL_GROUP!r} places processes on whole nodes; dynarl schedules GPU workers only",
         )
-        return None, ()
+        return None
     if groups is None:
-        return None, ()  # the node groups are unreadable; that is already reported
-    group = groups.get(label)
-    if group is None:
-        known = ", ".join(repr(g) for g in groups) or "none"
-        entry.fail(
-            "node_group",
-            f"unknown node group {label!r}{_suggestion(label, groups)} (cluster.node_groups: {known})",
-        )
-        return None, ()
-    if group.other_hardware is not None:
-        entry.fail(
-            "node_group",
-            f"node group {label!r} provides {group.other_hardware} hardware, not GPUs; dynarl schedules GPU workers only",
-        )
-        return None, ()
-    local = _ranks(
-        entry, "placement", written, len(group.gpus), f"the {len(group.gpus)} GPUs of node group {label!r}"
-    )
-    if local is None:
-        return None, ()
-    return tuple(sorted(group.gpus[rank] for rank in local)), (label,)
+        return None  # the node groups are unreadable; that is already reported
+    chosen: list[_NodeGroup] = []
+    for label in labels:
+        if label == CLUSTER_GROUP:
+            if total_gpus is None:
+                return None  # the cluster size is bad, and that is reported at cluster.num_nodes
+            chosen.append(_NodeGroup(CLUSTER_GROUP, tuple(range(total_gpus)), None))
+            continue
+        group = groups.get(label)
+        if group is None:
+            known = ", ".join(repr(g) for g in groups) or "none"
+            entry.fail(
+                "node_group",
+                f"unknown node group {label!r}{_suggestion(label, groups)} (cluster.node_groups: {known})",
+            )
+            return None
+        if group.other_hardware is not None:
+            entry.fail(
+                "node_group",
+                f"node group {label!r} provides {group.other_hardware}, not GPUs; dynarl schedules GPU workers only",
+            )
+            return None
+        chosen.append(group)
+    seen: dict[int, str] = {}
+    for group in chosen:
+        for gpu in group.gpus:
+            if gpu in seen:
+                entry.fail(
+                    "node_group",
+                    f"node groups {seen[gpu]!r} and {group.label!r} share GPU {gpu}; name each node once",
+                )
+                return None
+            seen[gpu] = group.label
+    return chosen
 
 
 def _ranks(
@@ -565,7 +648,6 @@ def _drafts(root: _RLinfSection, entries: Sequence[_Placed], entry_of: Mapping[s
                     uses_placement=True,
                     count_ok=entry.ranks is not None,
                     min_workers=1,
-                    hardware=entry.hardware,
                     depends_on=tuple(enumerate(depends_on)),
                     colocated_with=tuple(enumerate(colocated)),
                 )

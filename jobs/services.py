@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from agents import commands
-from agents.models import Device, DeviceStatus, NodeStatus, release_devices
+from agents.models import Device, release_devices
 from controlplane import audit
 from controlplane.audit import Actor
 from jobs.models import (
@@ -33,7 +33,7 @@ from jobs.models import (
 from jobs.spec import JobSpec, parse_spec
 from scheduler.core.hypergraph import DEFAULT_INTERRUPTIBILITY, DEFAULT_SCALING
 from scheduler.core.hypergraph import Device as CoreDevice
-from scheduler.core.placement import GroupRequest, fits_in
+from scheduler.core.placement import GroupRequest, PlacementFailure, fits_in
 
 
 class SubmissionRefused(Exception):
@@ -82,12 +82,33 @@ def core_devices(devices: list[Device]) -> list[CoreDevice]:
     ]
 
 
-def schedulable_devices() -> list[Device]:
-    return list(
-        Device.objects.exclude(status=DeviceStatus.LOST)
-        .filter(node__status=NodeStatus.READY)
-        .select_related("node")
-    )
+def registered_devices() -> list[Device]:
+    """Every device of every registered node, whatever its state: the cluster explicit ranks count
+    over (a lost or drained node keeps its place, so ranks never shift) and whose shape decides
+    whether a job could ever run."""
+    return list(Device.objects.select_related("node"))
+
+
+def backend_devices(devices: Iterable[Device], backend: str) -> list[Device]:
+    """The devices of nodes whose agent runs jobs of ``backend``: the only ones such a job may use."""
+    return [d for d in devices if d.node.offers(backend)]
+
+
+def never_fits(requests: list[GroupRequest], devices: list[Device], backend: str) -> PlacementFailure | None:
+    """Why a job of ``backend`` could never run on ``devices`` (registered ones), or None.
+
+    It could never run when it fits neither on the nodes that run its backend nor on the cluster
+    as a whole: more nodes of its backend may register (a ray job waits for ray nodes), but a job
+    that no cluster of this shape could hold is refused at once.
+    """
+    pool = backend_devices(devices, backend)
+    on_pool = fits_in(requests, core_devices(pool))
+    if on_pool is None:
+        return None
+    on_cluster = fits_in(requests, core_devices(devices)) if len(pool) < len(devices) else on_pool
+    if on_cluster is None:
+        return None
+    return on_pool if pool else on_cluster
 
 
 def submit_job(
@@ -103,7 +124,7 @@ def submit_job(
             return Submission(existing, created=False)
 
     spec = parse_spec(source)
-    failure = fits_in(group_requests(spec), core_devices(schedulable_devices()))
+    failure = never_fits(group_requests(spec), registered_devices(), spec.backend)
     if failure is not None:
         raise SubmissionRefused(
             f"components.{failure.group}", f"can never fit on this cluster: {failure.reason}"

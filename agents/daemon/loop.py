@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -27,7 +27,7 @@ from agents.daemon.commands import CommandRunner
 from agents.daemon.config import AgentConfig
 from agents.daemon.heartbeat import Heartbeater, TelemetryBuffer
 from agents.daemon.nvml import Nvml, open_nvml
-from agents.daemon.registry import BackendError, load_backend
+from agents.daemon.registry import BackendError, load_backend, offered_backends
 from agents.daemon.session import AgentSession, Registration, RegistrationRefused, agent_version
 from agents.daemon.state import StateDir, StateDirBusy
 
@@ -189,11 +189,12 @@ class Agent:
                     self.config.backend, host=self.config.host, options=self.config.backend_options
                 )
                 inventory = list(backend.inventory())
+                offers = offered_backends(backend)
             except BackendError as exc:
                 log.error("%s", exc)
                 return EXIT_CONFIG
             nvml = open_nvml() if self.config.nvml else None
-            return self._serve(backend, nvml, inventory)
+            return self._serve(backend, nvml, inventory, offers)
         finally:
             if backend is not None:
                 try:
@@ -204,7 +205,9 @@ class Agent:
                 nvml.close()
             self.state.close()
 
-    def _serve(self, backend: ExecutionBackend, nvml: Nvml | None, inventory: list[Any]) -> int:
+    def _serve(
+        self, backend: ExecutionBackend, nvml: Nvml | None, inventory: list[Any], offers: Sequence[str]
+    ) -> int:
         session = AgentSession(
             self.config,
             self.client,
@@ -213,6 +216,7 @@ class Agent:
             backend_name=str(backend.name),
             backoff=self.backoff,
             stop=self.stopping,
+            backends=offers,
         )
         runner = CommandRunner(session, backend, self.state.journal, self.backoff, on_fatal=self._fail)
         try:

@@ -4,6 +4,11 @@ A registry entry names a callable as ``"module:attribute"``; it is imported only
 host without Ray never imports it. ``--backend`` also takes ``module:attribute`` directly, for a
 backend that lives outside this package. The callable gets the backend options as keyword
 arguments, and ``host=<node name>`` when it takes a ``host`` parameter.
+
+A backend runs jobs of one or more job backends (a job spec's ``backend``): those named by its
+``offers`` attribute when it has one, else its ``name`` (the sim backend offers ``sim``, the ray
+backend ``ray``). The agent registers them, and the control plane places a job only on nodes that
+offer its backend.
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ def _accepts(factory: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def offered_backends(backend: ExecutionBackend) -> tuple[str, ...]:
+    """The job backends ``backend`` runs, as the agent registers them."""
+    offers = getattr(backend, "offers", None)
+    if offers is None:
+        return (str(backend.name),)
+    if isinstance(offers, str) or not all(isinstance(o, str) for o in offers) or not offers:
+        raise BackendError(
+            f"backend {backend.name!r}: offers must be a non-empty list of names, got {offers!r}"
+        )
+    return tuple(dict.fromkeys(offers))
 
 
 def load_backend(name: str, *, host: str, options: Mapping[str, Any]) -> ExecutionBackend:

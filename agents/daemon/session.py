@@ -89,12 +89,14 @@ class AgentSession:
         backend_name: str,
         backoff: Backoff,
         stop: threading.Event,
+        backends: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.client = client
         self.state = state
         self.inventory = list(inventory)
         self.backend_name = backend_name
+        self.backends = list(backends) or [backend_name]  # the job backends this agent runs
         self.backoff = backoff
         self.stop = stop
         self.settings = ProtocolSettings.from_reply({}, config.heartbeat_interval_s)
@@ -110,6 +112,7 @@ class AgentSession:
         return {
             "host": self.config.host,
             "backend": self.backend_name,
+            "backends": list(self.backends),
             "agent_version": agent_version(),
             "labels": dict(self.config.labels),
             "devices": [device.to_json() for device in self.inventory],

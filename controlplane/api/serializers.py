@@ -111,6 +111,9 @@ class AuditEventSerializer(serializers.ModelSerializer):
 
 
 class NodeSerializer(serializers.ModelSerializer):
+    backends = serializers.ListField(
+        child=serializers.CharField(), read_only=True, help_text="the job backends its agent runs"
+    )
     devices_total = serializers.IntegerField(read_only=True)
     devices_free = serializers.IntegerField(read_only=True)
     devices_allocated = serializers.IntegerField(read_only=True)
@@ -128,6 +131,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "status",
             "status_reason",
             "backend",
+            "backends",
             "agent_version",
             "labels",
             "registered_at",

@@ -7,7 +7,8 @@ devices and launched workers idle. Options (``--backend-option key=value``):
 - ``record``: the JSON-lines file the calls go to (required);
 - ``gpus``, ``hardware``: the inventory it registers;
 - ``hold_launch`` / ``hold_steps``: a file path; launch_workers / execute_step wait until that
-  file exists (or the backend is closed), so a test can act while a command is in hand.
+  file exists (or the backend is closed), so a test can act while a command is in hand;
+- ``offers``: the job backends it says it runs (default: its name, ``sim``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetr
 class RecordingBackend:
     # The control plane knows hosts as 'sim' or 'ray'; this one registers as a simulated host.
     name = "sim"
+    offers: tuple[str, ...]  # set only when the option is given
 
     def __init__(
         self,
@@ -36,7 +38,10 @@ class RecordingBackend:
         hardware: str = "H100",
         hold_launch: str = "",
         hold_steps: str = "",
+        offers: Sequence[str] = (),
     ) -> None:
+        if offers:
+            self.offers = tuple(offers)
         self.host = host
         self.record_path = Path(record)
         self.gpus = gpus

@@ -356,6 +356,18 @@ def test_the_sim_backend_runs_a_job_through_the_daemon(agent: AgentProcess) -> N
     assert agent.wait() == 0
 
 
+def test_the_agent_registers_the_job_backends_its_backend_runs(agent: AgentProcess) -> None:
+    options = {"record": str(agent.record), "gpus": 4, "offers": ["sim", "ray"]}
+    agent.start(DYNARL_BACKEND_OPTIONS=json.dumps(options))
+    node = registered(agent)
+    assert (node.backend, node.backends) == ("sim", ["sim", "ray"])
+    # Admission takes the agent at its word: a ray job runs here.
+    job = submit(make_user("alice"), spec(rollout=2, actor=2, backend="ray"))
+    eventually(lambda: job_state(job) == JobState.RUNNING, agent, "the ray job never started running")
+    agent.signal()
+    assert agent.wait() == 0
+
+
 def test_a_refused_node_token_makes_the_agent_register_again(agent: AgentProcess) -> None:
     agent.start()
     node = registered(agent)

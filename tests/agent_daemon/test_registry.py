@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.daemon.registry import BACKENDS, BackendError, load_backend
+from agents.daemon.registry import BACKENDS, BackendError, load_backend, offered_backends
 from tests.agent_daemon.recording import RecordingBackend
 
 
@@ -43,3 +43,24 @@ def test_known_names_point_at_the_backend_modules() -> None:
 def test_a_backend_that_cannot_be_built_is_named(name: str, options: dict[str, object], message: str) -> None:
     with pytest.raises(BackendError, match=message):
         load_backend(name, host="gpu-3", options=options)
+
+
+class _OffersRay(RecordingBackend):
+    offers = ("ray",)
+
+
+class _OffersNothing(RecordingBackend):
+    offers = ()
+
+
+def test_a_backend_offers_its_name_unless_it_names_what_it_offers(tmp_path: Path) -> None:
+    sim = load_backend("sim", host="gpu-3", options={"gpus": 1})
+    try:
+        assert offered_backends(sim) == ("sim",)
+    finally:
+        sim.close()
+    record = str(tmp_path / "calls.jsonl")
+    assert offered_backends(RecordingBackend(host="gpu-3", record=record)) == ("sim",)
+    assert offered_backends(_OffersRay(host="gpu-3", record=record)) == ("ray",)
+    with pytest.raises(BackendError, match="offers must be a non-empty list"):
+        offered_backends(_OffersNothing(host="gpu-3", record=record))

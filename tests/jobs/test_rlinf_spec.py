@@ -174,11 +174,12 @@ def test_colocated_example_runs_static_colocated() -> None:
     assert parsed.name == "grpo-1.5b"
 
 
-def test_node_group_example_maps_group_ranks_and_hardware() -> None:
+def test_node_group_example_maps_groups_to_the_gpus_of_their_node_ranks() -> None:
     parsed = parse_spec_file(REPO / "examples" / "rlinf-hetero.yaml")
     actor, rollout = parsed.component("actor"), parsed.component("rollout")
-    assert (actor.placement, actor.hardware, actor.worker_count) == (tuple(range(16)), ("a800",), 2)
-    assert (rollout.placement, rollout.hardware, rollout.worker_count) == (tuple(range(16, 24)), ("h20",), 2)
+    # A label names nodes, not hardware: the GPUs are whatever nodes 0-1 and 2 have.
+    assert (actor.placement, actor.hardware, actor.worker_count) == (tuple(range(16)), (), 2)
+    assert (rollout.placement, rollout.hardware, rollout.worker_count) == (tuple(range(16, 24)), (), 2)
     assert (parsed.name, parsed.priority) == ("qwen32b-hetero", 10)
     assert parsed.policy == PolicySpec(name="dynarl", params={"u_low": 0.25})
     assert parsed.model.params_b == 32.0
@@ -412,7 +413,7 @@ def _hetero(placement: dict[str, Any], groups: list[dict[str, Any]], num_nodes: 
 GROUPS: list[dict[str, Any]] = [{"label": "a800", "node_ranks": "0-1"}, {"label": 4090, "node_ranks": 2}]
 
 
-def test_node_group_ranks_count_within_the_group_and_labels_become_hardware() -> None:
+def test_node_group_ranks_count_within_the_group_and_labels_are_not_hardware() -> None:
     document = _hetero(
         {
             "actor": {"node_group": "a800", "placement": "8-15"},
@@ -422,9 +423,21 @@ def test_node_group_ranks_count_within_the_group_and_labels_become_hardware() ->
     )
     parsed = parse_spec(document)
     assert parsed.component("actor").placement == tuple(range(8, 16))
-    assert parsed.component("actor").hardware == ("a800",)
     assert parsed.component("rollout").placement == tuple(range(16, 24))
-    assert parsed.component("rollout").hardware == ("4090",)
+    assert parsed.component("actor").hardware == parsed.component("rollout").hardware == ()
+
+
+def test_a_placement_over_several_node_groups_counts_on_across_them_in_order() -> None:
+    groups = [{"label": "b", "node_ranks": 2}, {"label": "a", "node_ranks": 0}]
+    for written in ("b,a", ["b", "a"]):
+        document = _hetero({"actor": "8-15", "rollout": {"node_group": written, "placement": "4-11"}}, groups)
+        # Group ranks 0-7 are node 2's GPUs (16-23), 8-15 node 0's (0-7).
+        assert parse_spec(document).component("rollout").placement == (*range(0, 4), *range(20, 24))
+
+
+def test_the_cluster_group_is_every_node() -> None:
+    document = _hetero({"actor": "0-7", "rollout": {"node_group": "cluster", "placement": "8-23"}}, [])
+    assert parse_spec(document).component("rollout").placement == tuple(range(8, 24))
 
 
 def test_node_group_with_scattered_nodes() -> None:
@@ -487,6 +500,42 @@ def test_node_group_with_scattered_nodes() -> None:
             [{"node_ranks": 0}],
             "cluster.node_groups[0].label",
             "is required",
+        ),
+        (
+            {"actor": "0-7", "rollout": "8-15"},
+            [{"label": "cluster", "node_ranks": 0}],
+            "cluster.node_groups[0].label",
+            "'cluster' is reserved by RLinf",
+        ),
+        (
+            {"actor": "0-7", "rollout": {"node_group": "cpu", "placement": "0"}},
+            [{"label": "cpu", "node_ranks": 2, "ignore_hardware": True}],
+            "cluster.component_placement.rollout.node_group",
+            "provides CPU-only nodes (ignore_hardware), not GPUs",
+        ),
+        (
+            {"actor": "0-7", "rollout": {"node_group": "arms", "placement": "0"}},
+            [{"label": "arms", "node_ranks": 2, "hardware_type": "Franka"}],
+            "cluster.component_placement.rollout.node_group",
+            "provides Franka hardware, not GPUs",
+        ),
+        (
+            {"actor": "0-7", "rollout": {"node_group": "a800,wide", "placement": "0-7"}},
+            [{"label": "a800", "node_ranks": "0-1"}, {"label": "wide", "node_ranks": "1-2"}],
+            "cluster.component_placement.rollout.node_group",
+            "node groups 'a800' and 'wide' share GPU 8",
+        ),
+        (
+            {"actor": "0-7", "rollout": {"node_group": ["a800", "a800"], "placement": "0-7"}},
+            GROUPS,
+            "cluster.component_placement.rollout.node_group",
+            "names node group 'a800' twice",
+        ),
+        (
+            {"actor": "0-7", "rollout": {"node_group": "a800,4090", "placement": "0-24"}},
+            GROUPS,
+            "cluster.component_placement.rollout.placement",
+            "range 0-24 exceeds the 24 GPUs of node groups 'a800' + '4090'",
         ),
     ],
 )

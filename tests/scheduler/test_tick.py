@@ -142,3 +142,30 @@ def test_loans_go_home_when_the_iteration_ends_even_if_a_migration_held_the_boun
     assert "iteration 1 ended" in back.detail
     job.refresh_from_db()
     assert job.policy_state["queued"] == []
+
+
+@pytest.mark.django_db
+@override_settings(SIGNAL_WINDOW_S=10.0)
+def test_a_job_grows_only_into_free_devices_of_nodes_that_run_its_backend() -> None:
+    make_cluster({"node-a": ("H100", 4), "node-b": ("H100", 4)})
+    Node.objects.filter(name="node-a").update(backend="ray", backends=["ray"])
+    data = spec(rollout=2, actor=2, backend="ray")
+    data["policy"]["params"] = {"sustain_s": 0.0, "cooldown_s": 0.0, "min_gain_ratio": 0.0}
+    job = mark_running(submit(make_user("alice"), data))
+    busy = ({"rollout": 0.9, "actor": 1.0}, {"rollout": 5, "actor": 800})
+    report(job, *busy)
+
+    # The trainer is the bottleneck and node-b's four GPUs are free, but node-b runs sim hosts.
+    result = tick.run_tick(job.pk)
+    assert result is not None and result.outcome == "no_change", result and result.outcome
+    assert not SchedulingDecision.objects.filter(job=job).exists()
+
+    make_cluster({"node-c": ("H100", 4)})
+    Node.objects.filter(name="node-c").update(backend="ray", backends=["ray"])
+    Job.objects.filter(pk=job.pk).update(last_tick_at=None)
+    report(job, *busy)
+    result = tick.run_tick(job.pk)
+    assert result is not None and result.outcome == "decided", result and result.outcome
+    grown = SchedulingDecision.objects.get(job=job)
+    assert grown.reason == Reason.GROW_INTO_FREE_DEVICES
+    assert {uid.split("/")[0] for uid in grown.device_uids} == {"node-c"}
