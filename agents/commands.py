@@ -63,7 +63,8 @@ def queue_stop(workers: Iterable[Worker], *, reason: str) -> list[AgentCommand]:
     job_id = None
     for worker in workers:
         job_id = worker.group.job_id
-        nodes = {d.node for d in worker.devices.all()}
+        # A colocated worker may own no device: it runs where the devices it time-shares are.
+        nodes = {d.node for d in [*worker.devices.all(), *worker.colocated_devices.all()]}
         for node in nodes:
             per_node[node].append(worker.name)
     return [
