@@ -12,14 +12,20 @@ from agents.models import AgentCommand, CommandState, Device, Node
 from jobs.models import Worker
 
 
-def _worker_payload(worker: Worker, devices: Iterable[Device]) -> dict[str, Any]:
+def device_payload(device: Device, *, shared: bool) -> dict[str, Any]:
+    """A worker's device in a command; ``shared``: time-shared with other workers of the job (a
+    colocated placement), which the agent then lets them hold together and take turns on."""
+    return {"uid": device.uid, "index": device.index, "hardware": device.hardware, "shared": shared}
+
+
+def _worker_payload(worker: Worker, devices: Iterable[Device], shared: set[str]) -> dict[str, Any]:
     group = worker.group
     return {
         "worker": worker.name,
         "job": group.job_id,
         "group": group.name,
         "kind": group.kind,
-        "devices": [{"uid": d.uid, "index": d.index, "hardware": d.hardware} for d in devices],
+        "devices": [device_payload(d, shared=d.uid in shared) for d in devices],
         "tp": group.tp,
         "pp": group.pp,
     }
@@ -28,10 +34,16 @@ def _worker_payload(worker: Worker, devices: Iterable[Device]) -> dict[str, Any]
 def queue_launch(
     workers_devices: Mapping[Worker, list[Device]], *, job_spec: Mapping[str, Any]
 ) -> list[AgentCommand]:
-    """One ``launch_workers`` command per node, carrying the job's spec so the backend can run it."""
+    """One ``launch_workers`` command per node, carrying the job's spec so the backend can run it.
+    A device given to more than one of the workers is marked shared in each one's payload."""
+    holders: dict[str, int] = defaultdict(int)
+    for devices in workers_devices.values():
+        for device in devices:
+            holders[device.uid] += 1
+    shared = {uid for uid, count in holders.items() if count > 1}
     per_node: dict[Node, list[dict[str, Any]]] = defaultdict(list)
     for worker, devices in workers_devices.items():
-        per_node[devices[0].node].append(_worker_payload(worker, devices))
+        per_node[devices[0].node].append(_worker_payload(worker, devices, shared))
     commands = []
     for node, workers in per_node.items():
         first = workers[0]["worker"]
@@ -51,7 +63,8 @@ def queue_stop(workers: Iterable[Worker], *, reason: str) -> list[AgentCommand]:
     job_id = None
     for worker in workers:
         job_id = worker.group.job_id
-        nodes = {d.node for d in worker.devices.all()}
+        # A colocated worker may own no device: it runs where the devices it time-shares are.
+        nodes = {d.node for d in [*worker.devices.all(), *worker.colocated_devices.all()]}
         for node in nodes:
             per_node[node].append(worker.name)
     return [

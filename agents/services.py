@@ -32,6 +32,7 @@ from django.db.models.signals import post_save
 from django.dispatch import receiver
 from django.utils import timezone
 
+from agents import commands
 from agents.auth import issue_node_token
 from agents.models import (
     AgentCommand,
@@ -516,7 +517,7 @@ def _requeue_unanswered(node: Node, actor: Actor) -> int:
     return len(unanswered)
 
 
-def _worker_json(worker: Worker, devices: Iterable[Device]) -> dict[str, Any]:
+def _worker_json(worker: Worker, devices: Iterable[Device], shared: set[int]) -> dict[str, Any]:
     group = worker.group
     return {
         "worker": worker.name,
@@ -524,7 +525,7 @@ def _worker_json(worker: Worker, devices: Iterable[Device]) -> dict[str, Any]:
         "group": group.name,
         "kind": group.kind,
         "state": worker.state,
-        "devices": [{"uid": d.uid, "index": d.index, "hardware": d.hardware} for d in devices],
+        "devices": [commands.device_payload(d, shared=d.pk in shared) for d in devices],
         "tp": group.tp,
         "pp": group.pp,
     }
@@ -545,13 +546,15 @@ def expected_workers(node: Node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     )
     result = []
     jobs: dict[str, Any] = {}
+    # A colocated worker's devices are time-shared, for it and for their owner (all live here).
+    shared = {d.pk for worker in workers for d in worker.colocated_devices.all()}
     for worker in workers:
         devices = [
             d
             for d in sorted([*worker.devices.all(), *worker.colocated_devices.all()], key=lambda d: d.index)
             if d.node_id == node.pk
         ]
-        result.append(_worker_json(worker, devices))
+        result.append(_worker_json(worker, devices, shared))
         jobs[str(worker.group.job_id)] = worker.group.job.spec
     for switched in workers_switched_in_flight(node):
         result.append(switched)

@@ -51,6 +51,8 @@ CLOCK_RESET_S = 60.0
 # Workers that still run code (and so still report) on a node.
 REPORTING_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
 PRUNE_BATCH_ROWS = 10_000
+# A time-sharing (colocated) worker's part in its turn-taking, as its samples may say (informational).
+WORKER_TURNS = ("active", "onloading", "offloaded")
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,9 @@ def parse_heartbeat(payload: Any, now: float) -> Heartbeat:
         if at > sent_at + 1.0:
             errors.append(FieldError(f"{path}.at", "is later than the heartbeat's sent_at"))
         progress = item.get("progress")
+        turn = item.get("turn")
+        if turn is not None and turn not in WORKER_TURNS:
+            errors.append(FieldError(f"{path}.turn", f"must be one of {', '.join(WORKER_TURNS)} or absent"))
         workers.append(
             WorkerReading(
                 worker=name,

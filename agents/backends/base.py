@@ -4,7 +4,8 @@ imports Django (it runs on GPU hosts with a slim install).
 Payload shapes are the agent protocol's (docs/agent-protocol.md):
 
 - a worker: ``{"worker": name, "job": id, "group": name, "kind": "rollout", "tp": 1, "pp": 1,
-  "devices": [{"uid": "host/gpu0", "index": 0, "hardware": "H100"}]}``
+  "devices": [{"uid": "host/gpu0", "index": 0, "hardware": "H100", "shared": false}]}``; ``shared``
+  marks a device the worker time-shares with other workers of its job (a colocated placement)
 - a migration step: the command payload ``{"migration", "job", "attempt", "is_rollback",
   "step": PlannedStep JSON (step_id, kind, group_id, strategy, device_ids, worker_ids, ...),
   "handover": {...}}`` where ``handover`` carries what an earlier step produced for this one
@@ -55,6 +56,8 @@ class WorkerReading:
     in_flight: int = 0
     tokens: int = 0  # produced (or trained on) since the previous sample
     progress: float | None = None
+    # Only for a worker time-sharing its devices (colocated): "active", "onloading" or "offloaded".
+    turn: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -67,6 +70,8 @@ class WorkerReading:
         }
         if self.progress is not None:
             data["progress"] = self.progress
+        if self.turn is not None:
+            data["turn"] = self.turn
         return data
 
 

@@ -227,9 +227,14 @@ class SimBackend:
                     outcomes[name] = {"ok": False, "error": problem}
                     continue
                 try:
-                    indices = [int(d["index"]) for d in entry.get("devices", [])]
+                    devices = entry.get("devices", [])
+                    indices = [int(d["index"]) for d in devices]
+                    # Devices a colocated placement time-shares with other workers of the job.
+                    shared = [
+                        int(d["index"]) for d in devices if isinstance(d, Mapping) and d.get("shared") is True
+                    ]
                     worker = self._sim.add_worker(
-                        host_job, name, str(entry.get("group", "")), indices, member=True
+                        host_job, name, str(entry.get("group", "")), indices, member=True, shared=shared
                     )
                 except (HostError, SpecProblem, KeyError, TypeError, ValueError) as exc:
                     outcomes[name] = {"ok": False, "error": str(exc)}
@@ -302,6 +307,7 @@ class SimBackend:
                     in_flight=s.in_flight,
                     tokens=s.tokens,
                     progress=s.progress,
+                    turn=None if s.turn is None else s.turn.value,
                 )
                 for s in self._sim.drain_samples()
             ]

@@ -19,6 +19,12 @@ What runs (docs/sim-backend.md has the whole model):
   of the gang follows the same fluid progress and reports the iteration trained.
 - **tool** workers (sandboxes) serve the tool calls between turns, which the episodes model as
   latencies; they report busy while the rollout of the iteration is unfinished.
+
+**Colocated** workers (a placement where groups of one job share devices, verl's and RLinf's
+colocated mode) take turns: on each set of shared devices one stage is active at a time
+(generate, then reward, then log-probs, then training, then generate again), the others are
+offloaded, and a switch into or out of the rollout's stage costs the core simulator's colocated
+phase switch (``PerfModel.colocate_switch_s``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -45,13 +51,14 @@ from agents.backends.sim_model import (
     hardware_spec,
 )
 from scheduler.core.hypergraph import Device
-from scheduler.core.migration import StepKind
+from scheduler.core.migration import COMPENSATION, StepKind
 from scheduler.core.sim.engine import Engine, SimRequest
 from scheduler.core.sim.hardware import GB, HardwareSpec
 from scheduler.core.sim.perf import largest_valid
 from scheduler.core.sim.trace import TraceRecord
 
 STEP_KINDS = frozenset(k.value for k in StepKind)
+COMPENSATING_KINDS = frozenset(k.value for k in COMPENSATION.values() if k is not None)
 ACTIVE_JOB_STATES = ("admitted", "running", "paused_scheduling")
 PAUSED_FOREVER_S = 1e12  # an engine paused by a migration step: no decode step until resumed
 JOB_RETENTION_S = 3600.0  # virtual seconds a job's progress is kept (and reported) once no worker is left
@@ -62,7 +69,21 @@ SHED_S_PER_REQUEST = 0.0001
 HELD_SIDES_KEPT = 8  # take-back / shed sides whose requests a job keeps for retries
 
 # Event kinds, in the order events of one instant run; telemetry samples come after all of them.
-ENGINE, TOOL_DONE, READY, CONSUMED, TRAINED = range(5)
+ENGINE, TOOL_DONE, READY, CONSUMED, TRAINED, TURN = range(6)
+
+# Colocated stages in the order they take their turn on shared devices, as in verl's and RLinf's
+# colocated mode: the rollout generates (tool sandboxes serve it meanwhile), the reward model
+# scores, the reference / old-policy log-probs are computed, the actor trains; then generate again.
+GENERATE, SCORE, LOG_PROBS, TRAIN = range(4)
+STAGE = {ROLLOUT: GENERATE, TOOL: GENERATE, REWARD: SCORE, INFERENCE: LOG_PROBS, ACTOR: TRAIN}
+
+
+class Turn(StrEnum):
+    """A time-shared worker's part in the turn-taking, reported with each telemetry sample."""
+
+    ACTIVE = "active"  # its stage holds the shared devices
+    ONLOADING = "onloading"  # its stage is being switched in (the switch cost is being paid)
+    OFFLOADED = "offloaded"  # another stage holds the devices; it waits for its turn
 
 
 class HostError(Exception):
@@ -184,14 +205,23 @@ class WorkerSampleRecord:
     in_flight: int
     tokens: int
     progress: float | None
+    turn: Turn | None = None  # time-shared workers only
 
 
 @dataclass
 class HostDevice:
     index: int
     hardware: HardwareSpec
-    owner: str | None = None
+    owner: str | None = None  # the worker holding it alone
     reserved_by: str | None = None  # migration side key of a p2p reservation
+    # Workers of one job the control plane gave it as time-shared (a colocated placement).
+    sharers: list[str] = field(default_factory=list)
+    turn: int | None = None  # the stage whose turn it is, while it is time-shared
+    turn_at: float = 0.0  # when that stage is switched in (becomes active)
+
+    @property
+    def holders(self) -> list[str]:
+        return ([self.owner] if self.owner is not None else []) + self.sharers
 
 
 class Episode:
@@ -238,6 +268,9 @@ class HostWorker:
     ready_at: float
     joining: bool = False  # started by a migration step: unknown to the control plane until its switch
     engine: Engine | None = None
+    colocated: bool = False  # launched on time-shared devices
+    offloaded: bool = False  # time-shared and not its turn: does nothing until its stage is back
+    offloaded_prefill_s: float = 0.0
     paused_prefill_s: float = 0.0
     taken_back: bool = False
     has_state: bool = False  # a new trainer rank that received its state shard
@@ -339,6 +372,7 @@ class SimHost:
         self._rid = 0
         self._serial = 0
         self._device_util: dict[int, list[float]] = {}
+        self._time_sharing = False  # some workers here take turns on shared devices
 
     # == time ====================================================================================
 
@@ -351,6 +385,7 @@ class SimHost:
                 at, kind, _, payload = heapq.heappop(self._heap)
                 self.now = max(self.now, at)
                 self._handle(kind, payload)
+                self._take_turns()
             elif self._next_sample <= t:
                 self.now = max(self.now, self._next_sample)
                 self._sample()
@@ -358,6 +393,7 @@ class SimHost:
             else:
                 break
         self.now = max(self.now, t)
+        self._take_turns()
         self._forget_idle_jobs()
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
@@ -375,6 +411,7 @@ class SimHost:
             self._on_consumed(*payload)
         elif kind == TRAINED:
             self._on_trained(*payload)
+        # TURN only wakes the host when a stage switch ends: advance_to takes turns after each event.
 
     # == jobs and their views ======================================================================
 
@@ -407,6 +444,7 @@ class SimHost:
             job = self.jobs.get(job_id)
             if job is not None:
                 self._apply_view(job, view)
+        self._take_turns()
 
     def _apply_view(self, job: HostJob, view: JobView) -> None:
         previous = job.iteration if job.view is not None else None
@@ -423,9 +461,10 @@ class SimHost:
         self._update_training(job)
 
     def _new_iteration(self, job: HostJob, iteration: int) -> None:
-        """The trainer published new weights: engines pause for the update, old counters go."""
+        """The trainer published new weights: engines pause for the update, old counters go.
+        (Offloaded engines get the weights with their stage switch.)"""
         for worker in self._workers_of(job.model.job_id, kind=ROLLOUT):
-            if worker.state is WorkerState.RUNNING and worker.engine is not None:
+            if worker.state is WorkerState.RUNNING and worker.engine is not None and not worker.offloaded:
                 worker.engine.pause(self.now, job.model.weight_sync_s(len(worker.devices)))
                 self._reschedule(worker)
         for table in (job.completed, job.assigned):
@@ -490,8 +529,11 @@ class SimHost:
         device_indices: Sequence[int],
         *,
         member: bool,
+        shared: Collection[int] = (),
     ) -> HostWorker:
-        """Start a worker (idempotent by name); it runs after its start time (a READY event)."""
+        """Start a worker (idempotent by name); it runs after its start time (a READY event).
+        ``shared``: the devices the control plane gave it as time-shared with other workers of its
+        job (a colocated placement); any other device must be free."""
         existing = self.workers.get(name)
         if existing is not None:
             if existing.job_id != job.model.job_id or existing.group != group:
@@ -502,19 +544,18 @@ class SimHost:
         spec = job.model.group(group)
         if spec is None:
             raise HostError(f"job {job.model.job_id} has no group {group!r}")
+        time_shared = frozenset(shared) & frozenset(device_indices)
         for index in device_indices:
             if not 0 <= index < len(self.devices):
                 raise HostError(f"{self.name} has no device {index}")
-            device = self.devices[index]
-            if device.owner is not None and device.owner != name:
-                raise HostError(f"device {self.name}/gpu{index} is held by {device.owner}")
+            self._check_claim(job, name, group, self.devices[index], shared=index in time_shared)
         if not device_indices:
             raise HostError(f"worker {name} has no device on {self.name}")
         specs = tuple(self.devices[i].hardware for i in device_indices)
         engine = None
         if spec.kind == ROLLOUT:
             tp = len(device_indices)
-            coeffs = job.model.engine_coeffs(tp, self.hardware)
+            coeffs = job.model.engine_coeffs(tp, self.hardware, colocated=bool(time_shared))
             engine = Engine(
                 name,
                 tuple(
@@ -541,15 +582,40 @@ class SimHost:
             joining=not member,
             ready_at=self.now + self._start_s(job.model, spec.kind),
             engine=engine,
+            colocated=bool(time_shared),
             last_at=self.now,
         )
         for index in device_indices:
-            self.devices[index].owner = name
-            self.devices[index].reserved_by = None
+            device = self.devices[index]
+            if index in time_shared:
+                device.sharers.append(name)
+            else:
+                device.owner = name
+            device.reserved_by = None
         self.workers[name] = worker
         job.empty_since = None
         self._push(worker.ready_at, READY, (worker, worker.epoch))
+        self._take_turns()
         return worker
+
+    def _check_claim(self, job: HostJob, name: str, group: str, device: HostDevice, *, shared: bool) -> None:
+        """A device is held by one worker, or time-shared by workers of different groups of one
+        job that the control plane all gave it as shared; never by two jobs."""
+        others = [h for h in device.holders if h != name]
+        if not others:
+            return
+        uid = f"{self.name}/gpu{device.index}"
+        if not shared or device.owner not in (None, name):
+            raise HostError(f"device {uid} is held by {device.owner or others[0]}")
+        for other in others:
+            sharer = self.workers[other]
+            if sharer.job_id != job.model.job_id:
+                raise HostError(
+                    f"device {uid} is held by {other} of job {sharer.job_id}; only workers of one job "
+                    "time-share a device"
+                )
+            if sharer.group == group:
+                raise HostError(f"device {uid} is held by {other} of the same group {group!r}")
 
     def _restart(self, worker: HostWorker) -> None:
         worker.state = WorkerState.STARTING
@@ -585,10 +651,13 @@ class SimHost:
             device = self.devices[index]
             if device.owner == name:
                 device.owner = None
+            if name in device.sharers:
+                device.sharers.remove(name)
         if job is not None:
             self._rehome(job, worker, keep=rehome)
             self._update_training(job)
             self._kick_consumers(job)
+        self._take_turns()
         return True
 
     def _rehome(self, job: HostJob, worker: HostWorker, *, keep: bool) -> None:
@@ -661,7 +730,7 @@ class SimHost:
 
     def _admit(self, worker: HostWorker) -> None:
         engine = worker.engine
-        if engine is None or worker.state is not WorkerState.RUNNING:
+        if engine is None or worker.state is not WorkerState.RUNNING or worker.offloaded:
             return
         admitted = False
         while engine.local and engine.fits(engine.local[0], self.now):
@@ -673,7 +742,7 @@ class SimHost:
 
     def _reschedule(self, worker: HostWorker) -> None:
         engine = worker.engine
-        if engine is None or worker.state is not WorkerState.RUNNING:
+        if engine is None or worker.state is not WorkerState.RUNNING or worker.offloaded:
             return
         upcoming = engine.next_event()
         if upcoming is not None:
@@ -683,7 +752,7 @@ class SimHost:
         engine = worker.engine
         if engine is None or epoch != engine.epoch or self.workers.get(worker.name) is not worker:
             return
-        if worker.state is not WorkerState.RUNNING:
+        if worker.state is not WorkerState.RUNNING or worker.offloaded:
             return
         engine.advance_to_step(step)
         finished = engine.pop_finished()
@@ -816,7 +885,12 @@ class SimHost:
         return max(0, -(-(available - position) // len(members)))
 
     def _kick_consumer(self, job: HostJob, worker: HostWorker) -> None:
-        if worker.item is not None or worker.state is not WorkerState.RUNNING or not self._active(job):
+        if (
+            worker.item is not None
+            or worker.state is not WorkerState.RUNNING
+            or worker.offloaded
+            or not self._active(job)
+        ):
             return
         iteration = job.iteration
         if iteration >= job.model.iterations:
@@ -904,7 +978,7 @@ class SimHost:
             (
                 w
                 for w in self._workers_of(job.model.job_id, group=group)
-                if w.member and w.state is WorkerState.RUNNING
+                if w.member and w.state is WorkerState.RUNNING and not w.offloaded
             ),
             key=lambda w: w.name,
         )
@@ -967,6 +1041,155 @@ class SimHost:
             return training.fraction
         return min(1.0, training.fraction + max(0.0, now - training.updated_at) / training.total_s)
 
+    # == colocated workers: turns on time-shared devices ==============================================
+
+    def _time_shared(self, worker: HostWorker) -> bool:
+        return any(len(self.devices[i].holders) > 1 for i in worker.devices)
+
+    def _colocations(self) -> list[tuple[list[int], list[HostWorker]]]:
+        """The sets of devices workers time-share, each with its workers: devices are in one set
+        when a worker holds both or they share a holder (connected components)."""
+        seen: set[int] = set()
+        found: list[tuple[list[int], list[HostWorker]]] = []
+        for start in self.devices:
+            if start.index in seen or len(start.holders) < 2:
+                continue
+            seen.add(start.index)
+            devices, names, pending = [], set(), [start.index]
+            while pending:
+                index = pending.pop()
+                devices.append(index)
+                for name in self.devices[index].holders:
+                    if name in names:
+                        continue
+                    names.add(name)
+                    for other in self.workers[name].devices:
+                        if other not in seen:
+                            seen.add(other)
+                            pending.append(other)
+            found.append((sorted(devices), [self.workers[n] for n in sorted(names)]))
+        return found
+
+    def _take_turns(self) -> None:
+        """On each set of time-shared devices one stage is active at a time: the first stage, in
+        the iteration's order, whose workers there still have work in the current iteration. A
+        change of stage offloads the current one at once and switches the next one in after the
+        core simulator's colocated switch time (when the rollout's stage is on either side)."""
+        if not self._time_sharing and not any(d.sharers for d in self.devices):
+            return  # the common case, checked after every event: nothing is time-shared here
+        colocations = self._colocations()
+        self._time_sharing = bool(colocations)
+        shared: set[str] = set()
+        for devices, workers in colocations:
+            job = self.jobs[workers[0].job_id]
+            shared.update(w.name for w in workers)
+            turns = [self.devices[i] for i in devices if self.devices[i].turn is not None]
+            current = turns[0].turn if turns else None
+            turn_at = max((d.turn_at for d in turns if d.turn == current), default=self.now)
+            wanted = self._wanted_stage(job, workers, current)
+            if current is None:
+                turn_at = self.now  # the first stage loads with the workers' start
+            elif wanted != current:
+                turn_at = self.now + self._switch_s(job, current, wanted)
+                if turn_at > self.now:
+                    self._push(turn_at, TURN, None)
+            for index in devices:
+                self.devices[index].turn, self.devices[index].turn_at = wanted, turn_at
+            for worker in workers:
+                holds = STAGE[worker.kind] == wanted and turn_at <= self.now
+                if holds and worker.offloaded:
+                    self._onload(job, worker)
+                elif not holds and not worker.offloaded:
+                    self._offload(job, worker)
+        for worker in list(self.workers.values()):
+            if worker.offloaded and worker.name not in shared:  # its sharers left: it runs alone
+                self._onload(self.jobs[worker.job_id], worker)
+        for device in self.devices:
+            if device.turn is not None and len(device.holders) < 2:
+                device.turn = None
+
+    def _wanted_stage(self, job: HostJob, workers: Sequence[HostWorker], current: int | None) -> int:
+        stages = sorted({STAGE[w.kind] for w in workers})
+        if self._active(job) and job.iteration < job.model.iterations:
+            for stage in stages:
+                if not all(self._stage_done(job, w) for w in workers if STAGE[w.kind] == stage):
+                    return stage
+        # Nothing left until the control plane opens the next iteration: the devices stay as they are.
+        return current if current in stages else stages[0]
+
+    def _stage_done(self, job: HostJob, worker: HostWorker) -> bool:
+        """Whether the worker has nothing left to do in the job's current iteration."""
+        iteration, total = job.iteration, job.model.samples_per_iteration
+        if worker.state is WorkerState.STOPPED or not worker.member:
+            return True
+        if worker.kind == ROLLOUT:
+            view = job.view
+            if view is None or iteration not in view.partitions:
+                return False  # its share of the iteration is still to come
+            part = view.partitions[iteration].get(worker.group)
+            claimed = job.claims.get(iteration, {}).get(worker.group, set())
+            if part is not None and worker.name in part.workers and worker.name not in claimed:
+                return False
+            engine = worker.engine
+            if engine is not None and (engine.batch or engine.local):
+                return False
+            return not any(e.worker == worker.name and e.key[0] <= iteration for e in job.episodes.values())
+        if worker.kind == TOOL:
+            rollout = [g.name for g in job.model.groups.values() if g.kind == ROLLOUT]
+            return all(self._global_completed(job, g) >= total for g in rollout)
+        if worker.kind in (INFERENCE, REWARD):
+            if worker.item is not None:
+                return False
+            if any(self._global_completed(job, u) < total for u in job.model.upstream(worker.group)):
+                return False
+            done = worker.done if worker.done_iteration == iteration else 0
+            return done >= self._entitlement(job, worker)
+        return job.trained_iteration is not None and job.trained_iteration >= iteration
+
+    @staticmethod
+    def _switch_s(job: HostJob, current: int, wanted: int) -> float:
+        # The trainer-side stages run in one process (as the core simulator's log-probs and
+        # training): only a switch from or to the rollout offloads and onloads state.
+        return job.model.colocate_switch_s() if GENERATE in (current, wanted) else 0.0
+
+    def _offload(self, job: HostJob, worker: HostWorker) -> None:
+        worker.offloaded = True
+        if worker.engine is not None:
+            engine = worker.engine
+            engine.commit(self.now)
+            worker.offloaded_prefill_s = max(0.0, engine.origin - self.now)
+            engine.pause(self.now, PAUSED_FOREVER_S)
+        self._cancel_item(worker)
+        if worker.kind == ACTOR:
+            self._update_training(job)
+
+    def _onload(self, job: HostJob, worker: HostWorker) -> None:
+        worker.offloaded = False
+        if worker.engine is not None:
+            worker.engine.origin = self.now + worker.offloaded_prefill_s
+            worker.engine.epoch += 1
+            self._admit(worker)
+        if worker.kind in (INFERENCE, REWARD):
+            self._kick_consumer(job, worker)
+        elif worker.kind == ACTOR:
+            self._update_training(job)
+
+    def _turn_of(self, worker: HostWorker) -> Turn | None:
+        if not self._time_shared(worker):
+            return None
+        if not worker.offloaded:
+            return Turn.ACTIVE
+        stage = self.devices[worker.devices[0]].turn
+        return Turn.ONLOADING if stage == STAGE[worker.kind] else Turn.OFFLOADED
+
+    def _resident(self, device: HostDevice) -> HostWorker | None:
+        """The worker whose state fills the device: its holder, or of a time-shared device, the
+        holder whose stage has the turn."""
+        holders = [self.workers[n] for n in device.holders]
+        if len(holders) > 1:
+            return next((w for w in holders if STAGE[w.kind] == device.turn), holders[0])
+        return holders[0] if holders else None
+
     # == telemetry ====================================================================================
 
     def _group_progress(self, job: HostJob, group: str, kind: str) -> float:
@@ -1019,7 +1242,12 @@ class SimHost:
                 tokens = 0.0
                 rollout = [g.name for g in job.model.groups.values() if g.kind == ROLLOUT]
                 left = 0.0
-                if rollout and worker.state is WorkerState.RUNNING and self._active(job):
+                if (
+                    rollout
+                    and worker.state is WorkerState.RUNNING
+                    and not worker.offloaded
+                    and self._active(job)
+                ):
                     done = min(self._group_progress(job, g, ROLLOUT) for g in rollout)
                     left = 0.0 if job.iteration >= job.model.iterations else 1.0 - done
                 work = worker.last_work + left * (now - worker.last_at)
@@ -1031,7 +1259,7 @@ class SimHost:
             worker.last_at, worker.last_tokens, worker.last_work = now, tokens, work
             worker.last_util = utilisation
             for index in worker.devices:
-                util_by_device[index] = utilisation
+                util_by_device[index] = max(utilisation, util_by_device.get(index, 0.0))
             if not self._reported(worker):
                 continue
             self.samples.append(
@@ -1043,6 +1271,7 @@ class SimHost:
                     in_flight=in_flight,
                     tokens=delta,
                     progress=None if progress is None else round(min(1.0, max(0.0, progress)), 6),
+                    turn=self._turn_of(worker),
                 )
             )
         for device in self.devices:
@@ -1061,13 +1290,13 @@ class SimHost:
             if history:
                 utilisation = sum(history) / len(history)
             else:
-                owner = self.workers.get(device.owner) if device.owner else None
-                utilisation = owner.last_util if owner is not None else 0.0
+                resident = self._resident(device)
+                utilisation = resident.last_util if resident is not None else 0.0
             readings.append((device.index, round(utilisation, 6), round(self._memory_gb(device), 3)))
         return readings
 
     def _memory_gb(self, device: HostDevice) -> float:
-        worker = self.workers.get(device.owner) if device.owner else None
+        worker = self._resident(device)
         if worker is None or not worker.alive:
             return 0.0
         hbm = device.hardware.hbm_gb
@@ -1077,7 +1306,11 @@ class SimHost:
         model = job.model.model
         gpus = max(1, len(worker.devices))
         if worker.kind == ROLLOUT:
-            used = hbm * job.model.workload.perf.engine_mem_fraction  # weights + a preallocated KV pool
+            perf = job.model.workload.perf
+            # Weights + a preallocated KV pool, smaller for an engine sharing its GPUs (colocated).
+            used = hbm * (
+                perf.colocated_engine_mem_fraction if worker.colocated else perf.engine_mem_fraction
+            )
         elif worker.kind == ACTOR:
             training = job.training
             data_parallel = max(
@@ -1182,8 +1415,25 @@ class SimHost:
         handler = getattr(self, f"_step_{ctx.kind}", None) if ctx.kind in STEP_KINDS else None
         if handler is None:
             raise HostError(f"unknown step kind {ctx.kind!r}")
+        if ctx.kind not in COMPENSATING_KINDS:
+            self._refuse_time_shared(ctx)
         plan: StepPlan = handler(ctx)
+        self._take_turns()
         return plan
+
+    def _refuse_time_shared(self, ctx: StepContext) -> None:
+        """Workers that take turns on shared devices are not resized: the planner does not move a
+        time-shared device, and a step that would touch one fails before doing anything."""
+        shared = [w.name for w in self._listed(ctx) if self._time_shared(w)]
+        for uid in ctx.device_ids:
+            index = self.local_device(uid)
+            if index is not None and len(self.devices[index].holders) > 1:
+                shared.append(uid)
+        if shared:
+            raise HostError(
+                f"{', '.join(shared)} time-share devices (colocated placement); migration steps do not "
+                "apply to them"
+            )
 
     def _job_for(self, ctx: StepContext) -> HostJob | None:
         return self.jobs.get(ctx.job_id)
@@ -1485,7 +1735,7 @@ class SimHost:
             if index is None:
                 continue
             device = self.devices[index]
-            if device.owner is None:  # a device another worker holds is not this step's to free
+            if not device.holders:  # a device another worker holds is not this step's to free
                 device.reserved_by = None
                 freed.append(uid)
         return StepPlan(0.0, self._done({"released": released, "devices": freed}))
@@ -1541,8 +1791,8 @@ class SimHost:
             if index is None:
                 continue
             device = self.devices[index]
-            if device.owner is not None:
-                raise HostError(f"device {uid} is held by {device.owner}")
+            if device.holders:
+                raise HostError(f"device {uid} is held by {', '.join(device.holders)}")
             if device.reserved_by not in (None, ctx.migration_id):
                 raise HostError(f"device {uid} is reserved by migration {device.reserved_by}")
             device.reserved_by = ctx.migration_id

@@ -129,6 +129,7 @@ class JobModel:
                 ),
             )
         self.groups = self._read_groups(spec.get("components"))
+        self.gpus = self._count_gpus(spec["components"])
         base = nearest_model(self.params_b)
         actor = next((g for g in self.groups.values() if g.kind == ACTOR), None)
         self.model = replace(
@@ -154,7 +155,7 @@ class JobModel:
         )
         self.cost = MigrationCostModel(model_params_b=self.params_b)
         self._perf: dict[int, PerfModel] = {}
-        self._coeffs: dict[tuple[int, str], EngineCoeffs] = {}
+        self._coeffs: dict[tuple[int, str, bool], EngineCoeffs] = {}
         self._traces: OrderedDict[int, tuple[TraceRecord, ...]] = OrderedDict()
         self._orders: dict[int, tuple[int, ...]] = {}
         self._train_flops: dict[int, tuple[float, int]] = {}
@@ -192,6 +193,22 @@ class JobModel:
                 depends_on=tuple(str(d) for d in depends_on),
             )
         return groups
+
+    @staticmethod
+    def _count_gpus(components: Sequence[Mapping[str, Any]]) -> int:
+        """The job's GPUs at start, as ``jobs.spec.JobSpec.total_gpus`` counts them: GPUs shared
+        by colocated components once."""
+        placed: set[int] = set()
+        counted = 0
+        for item in components:
+            placement = item.get("placement")
+            if isinstance(placement, list):
+                placed.update(r for r in placement if isinstance(r, int))
+            else:
+                workers = item.get("workers")
+                count = workers if isinstance(workers, int) and not isinstance(workers, bool) else 1
+                counted += count * int(item.get("tp", 1)) * int(item.get("pp", 1))
+        return max(1, len(placed) + counted)
 
     # -- shape -------------------------------------------------------------------------------
 
@@ -270,13 +287,15 @@ class JobModel:
             perf = self._perf[tp] = PerfModel(replace(self.model, rollout_tp=tp), self.workload.perf)
         return perf
 
-    def engine_coeffs(self, tp: int, hardware: HardwareSpec) -> EngineCoeffs:
-        """Raises SpecProblem when the model does not fit ``tp`` GPUs of this type."""
-        key = (tp, hardware.name)
+    def engine_coeffs(self, tp: int, hardware: HardwareSpec, *, colocated: bool = False) -> EngineCoeffs:
+        """Raises SpecProblem when the model does not fit ``tp`` GPUs of this type. A colocated
+        engine (time-sharing its GPUs with the trainer's stages) gets the smaller KV pool of the
+        core's ``colocated_engine_mem_fraction``."""
+        key = (tp, hardware.name, colocated)
         coeffs = self._coeffs.get(key)
         if coeffs is None:
             try:
-                coeffs = self.perf(tp).engine_coeffs(hardware)
+                coeffs = self.perf(tp).engine_coeffs(hardware, colocated=colocated)
             except ValueError as exc:
                 raise SpecProblem(f"an engine of this job does not fit: {exc}") from exc
             self._coeffs[key] = coeffs
@@ -301,6 +320,11 @@ class JobModel:
 
     def weight_sync_s(self, tp: int) -> float:
         return self.perf(tp).weight_sync_s()
+
+    def colocate_switch_s(self) -> float:
+        """One colocated stage switch (offload the rollout's side, onload the trainer's, or back),
+        as the core simulator charges it for a job of this many GPUs."""
+        return self.perf(1).colocate_switch_s(self.gpus)
 
 
 def hardware_spec(name: str) -> HardwareSpec:

@@ -19,7 +19,7 @@ Step semantics, for the executors (node agents, the simulator):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -286,6 +286,11 @@ def plan_migration(
         raise PlanError("decision has neither donor nor recipient")
     if decision.donor == decision.recipient:
         raise PlanError("donor and recipient are the same group")
+    if shared := time_shared_devices(graph, moved):
+        listed = "; ".join(f"{device} by {', '.join(groups)}" for device, groups in shared.items())
+        raise PlanError(
+            f"devices are time-shared (colocated placement), and time-shared devices do not move: {listed}"
+        )
 
     donor = _node(graph, decision.donor, "donor") if decision.donor is not None else None
     recipient = _node(graph, decision.recipient, "recipient") if decision.recipient is not None else None
@@ -333,6 +338,23 @@ def plan_migration(
                 )
             )
     return MigrationPlan(migration_id=migration_id, decision=decision, steps=tuple(steps))
+
+
+def time_shared_devices(graph: Hypergraph, device_ids: Iterable[str]) -> dict[str, list[str]]:
+    """Of ``device_ids``, those that more than one worker holds (groups of a colocated placement
+    taking turns on them), each with the groups holding it."""
+    wanted = set(device_ids)
+    holders: dict[str, list[tuple[str, str]]] = {}
+    for node in graph.nodes:
+        for worker in node.workers:
+            for device in worker.devices:
+                if device.id in wanted:
+                    holders.setdefault(device.id, []).append((node.id, worker.id))
+    return {
+        device: sorted({group for group, _ in held})
+        for device, held in sorted(holders.items())
+        if len(held) > 1
+    }
 
 
 def _node(graph: Hypergraph, group_id: str, role: str) -> HyperNode:

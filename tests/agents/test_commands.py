@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.test import Client
 from pytest_django.fixtures import Settings
 
 from agents.models import AgentCommand, CommandState
+from controlplane.audit import Actor
 from controlplane.models import AuditEvent
 from jobs import services as job_services
 from jobs.models import Worker, WorkerState
 from tests.agents.conftest import register
 from tests.factories import make_user, spec, submit
+from tests.services import REPO_ROOT
 
 pytestmark = pytest.mark.django_db
 
@@ -76,10 +80,25 @@ def test_bad_wait_is_refused(client: Client, bootstrap: str, wait: str) -> None:
 
 
 def test_cancelled_job_commands_are_not_delivered(client: Client, bootstrap: str) -> None:
-    from controlplane.audit import Actor
-
     agent, _ = register(client, bootstrap, "node-a", gpus=4)
     owner = make_user("alice")
     job = submit(owner, spec(rollout=2, actor=2))
     job_services.cancel_job(job.pk, Actor.for_user(owner))
     assert agent.fetch().json() == {"commands": []}
+
+
+def test_stopping_a_colocated_job_stops_the_workers_that_own_no_device(
+    client: Client, bootstrap: str
+) -> None:
+    agent, _ = register(client, bootstrap, "node-a", gpus=8)
+    owner = make_user("alice")
+    colocated = json.loads((REPO_ROOT / "examples" / "math-1.5b-colocated.json").read_text())
+    job = submit(owner, colocated)
+    agent.fetch()  # the launch is delivered: the workers run on the agent
+    # Rollout, reward and actor time-share GPUs 0-7; the devices' owners are of one group only.
+    assert Worker.objects.filter(group__job=job, devices__isnull=True).exists()
+    job_services.cancel_job(job.pk, Actor.for_user(owner))
+    [stop] = AgentCommand.objects.filter(kind="stop_workers")
+    assert sorted(stop.payload["workers"]) == sorted(
+        Worker.objects.filter(group__job=job).values_list("name", flat=True)
+    )

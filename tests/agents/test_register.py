@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -22,6 +23,7 @@ from controlplane.models import AuditEvent, hash_token
 from jobs.models import Worker
 from tests.agents.conftest import devices, register
 from tests.factories import make_user, spec, submit
+from tests.services import REPO_ROOT
 
 pytestmark = pytest.mark.django_db
 
@@ -104,6 +106,7 @@ def test_reregister_rotates_token_and_keeps_ownership(client: Client, bootstrap:
         Worker.objects.filter(group__job=job).values_list("name", flat=True)
     )
     assert all(len(w["devices"]) == 1 and w["job"] == job.pk for w in body["workers"])
+    assert not any(d["shared"] for w in body["workers"] for d in w["devices"])
     assert body["jobs"][str(job.pk)]["name"] == job.spec["name"]
     assert {d["worker"] for d in body["devices"]} == set(owners_before.values())
     # ... and what the old one was given but never answered comes again at once.
@@ -112,6 +115,24 @@ def test_reregister_rotates_token_and_keeps_ownership(client: Client, bootstrap:
     again = second.fetch().json()["commands"]
     assert [c["command_id"] for c in again] == [launch.command_id] and again[0]["deliveries"] == 2
     assert AuditEvent.objects.filter(verb="node.reregister", payload__token_rotated=True).exists()
+
+
+def test_colocated_workers_are_told_their_devices_are_time_shared(client: Client, bootstrap: str) -> None:
+    register(client, bootstrap, "node-a", gpus=8)
+    colocated = json.loads((REPO_ROOT / "examples" / "math-1.5b-colocated.json").read_text())
+    job = submit(make_user("alice"), colocated)
+    # Rollout, reward and actor all on GPUs 0-7: every worker is launched with its devices marked
+    # shared, whichever of them owns a device in the database ...
+    launch = AgentCommand.objects.get(kind="launch_workers")
+    workers = launch.payload["workers"]
+    assert {w["group"] for w in workers} == {"rollout", "reward", "actor"}
+    assert all(d["shared"] is True for w in workers for d in w["devices"])
+    # ... and a restarted agent is told the same.
+    _, body = register(client, bootstrap, "node-a", gpus=8)
+    assert sorted(w["worker"] for w in body["workers"]) == sorted(
+        Worker.objects.filter(group__job=job).values_list("name", flat=True)
+    )
+    assert all(d["shared"] is True for w in body["workers"] for d in w["devices"])
 
 
 def test_reregister_updates_devices(client: Client, bootstrap: str) -> None:

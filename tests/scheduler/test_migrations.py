@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -11,9 +12,17 @@ from controlplane.audit import Actor
 from controlplane.models import AuditEvent
 from jobs.models import Job, Worker, WorkerState
 from scheduler.core.hypergraph import MigrationStrategy
-from scheduler.models import HypergraphSnapshot, Migration, MigrationState, MigrationStep, StepState
+from scheduler.models import (
+    HypergraphSnapshot,
+    Migration,
+    MigrationState,
+    MigrationStep,
+    SchedulingDecision,
+    StepState,
+)
 from scheduler.services import migrations
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
+from tests.services import REPO_ROOT
 
 pytestmark = pytest.mark.django_db
 
@@ -223,6 +232,19 @@ def test_manual_migration_errors_name_the_field(running_job: Job) -> None:
             running_job.pk, donor="rollout", recipient="actor", workers=1, actor=actor
         )
     assert caught.value.field == "job"
+
+
+def test_a_time_shared_device_is_not_moved_by_hand() -> None:
+    make_cluster({"node-a": ("H100", 8)})
+    owner = make_user("alice")
+    colocated = json.loads((REPO_ROOT / "examples" / "math-1.5b-colocated.json").read_text())
+    job = mark_running(submit(owner, colocated))
+    with pytest.raises(migrations.ManualMigrationError, match="time-shared") as caught:
+        migrations.request_manual_migration(
+            job.pk, donor="rollout", recipient="reward", workers=1, actor=Actor.for_user(owner)
+        )
+    assert caught.value.field == "workers"
+    assert not Migration.objects.exists() and not SchedulingDecision.objects.exists()
 
 
 def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Job) -> None:

@@ -311,6 +311,22 @@ def test_invalid_decisions_are_refused(decision: Decision, message: str) -> None
         _plan(decision)
 
 
+def test_time_shared_devices_do_not_move() -> None:
+    # Colocated: the reward's workers time-share the rollout's first two devices.
+    graph = _graph()
+    shared = tuple(Worker(id=f"rw{k}", devices=graph.node("rollout").workers[k].devices) for k in range(2))
+    graph = graph.with_node(HyperNode(id="reward", kind=ComponentKind.REWARD, workers=shared))
+    for decision in (
+        _decision("rollout", "actor", ("n0-g0", "n0-g1")),
+        _decision("reward", "actor", ("n0-g1",)),
+    ):
+        with pytest.raises(PlanError, match=r"time-shared .*n0-g1 by reward, rollout"):
+            plan_migration(decision, graph, COSTS, migration_id="m")
+    # The devices the rollout holds alone still move.
+    plan = plan_migration(_decision("rollout", "actor", ("n0-g2", "n0-g3")), graph, COSTS, migration_id="m")
+    assert plan.steps
+
+
 def test_migration_id_may_not_break_step_ids() -> None:
     with pytest.raises(PlanError):
         _plan(migration_id="a:b")

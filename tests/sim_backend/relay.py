@@ -23,6 +23,7 @@ def math_spec(
     staleness: int = 0,
     kind: str = "math",
     inference: int = 0,
+    reward: int = 0,
 ) -> dict[str, Any]:
     components: list[dict[str, Any]] = [
         {
@@ -49,6 +50,19 @@ def math_spec(
             }
         )
         actor_deps.append("inference")
+    if reward:
+        components.append(
+            {
+                "name": "reward",
+                "kind": "reward",
+                "tp": 1,
+                "pp": 1,
+                "valid_dp": [],
+                "workers": reward,
+                "depends_on": ["rollout"],
+            }
+        )
+        actor_deps.append("reward")
     components.append(
         {
             "name": "actor",
@@ -107,11 +121,20 @@ class Relay:
     def kind(self, group: str) -> str:
         return next(c["kind"] for c in self.spec["components"] if c["name"] == group)
 
-    def launch(self, worker: str, node: str, group: str, devices: list[int]) -> dict[str, Any]:
-        self.placement[worker] = (node, group, devices)
-        return self.backends[node].launch_workers(
-            {"job": self.job_id, "spec": self.spec},
-            [
+    def launch(
+        self, worker: str, node: str, group: str, devices: list[int], *, shared: bool = False
+    ) -> dict[str, Any]:
+        """``shared``: the devices are time-shared with other workers of the job (colocated)."""
+        return self.launch_together(node, [(worker, group, devices)], shared=shared)
+
+    def launch_together(
+        self, node: str, workers: list[tuple[str, str, list[int]]], *, shared: bool = False
+    ) -> dict[str, Any]:
+        """One launch command for several ``(worker, group, devices)`` of one node."""
+        entries = []
+        for worker, group, devices in workers:
+            self.placement[worker] = (node, group, devices)
+            entries.append(
                 {
                     "worker": worker,
                     "job": self.job_id,
@@ -119,10 +142,13 @@ class Relay:
                     "kind": self.kind(group),
                     "tp": 1,
                     "pp": 1,
-                    "devices": [{"uid": f"{node}/gpu{i}", "index": i, "hardware": "H100"} for i in devices],
+                    "devices": [
+                        {"uid": f"{node}/gpu{i}", "index": i, "hardware": "H100", "shared": shared}
+                        for i in devices
+                    ],
                 }
-            ],
-        )
+            )
+        return self.backends[node].launch_workers({"job": self.job_id, "spec": self.spec}, entries)
 
     def live(self, group: str) -> list[str]:
         return sorted(w for w, (_, g, _) in self.placement.items() if g == group)
