@@ -5,7 +5,7 @@ goes to our stdout with honcho's name-prefixed format, and when it exits it is s
 an exponential backoff (``Backoff``): 1 s, 2 s, 4 s, … capped at a minute, forever, the count
 starting over once a run has lasted ``reset_after_s``. Every crash and restart is logged with the
 program's name, how it ended (exit code or signal) and when the next attempt comes. SIGINT or
-SIGTERM stops it all: SIGTERM to every group, SIGKILL to what is left after ``stop_timeout_s`` (a
+SIGTERM stops it all: SIGTERM to every group, SIGKILL to what is left after its stop timeout (a
 second signal does not wait). The states are kept in a JSON status file, replaced atomically on
 every change, which /healthz reads (``read_status``).
 
@@ -100,6 +100,7 @@ class Supervisor:
     status_path: Path
     backoff: Backoff = field(default_factory=Backoff)
     stop_timeout_s: float = 40.0  # above the agents' 30 s shutdown grace
+    stop_timeouts: Mapping[str, float] = field(default_factory=dict)  # per program, where it differs
     poll_s: float = 0.2
     output: IO[str] | None = None
     clock: Callable[[], float] = time.monotonic
@@ -245,15 +246,25 @@ class Supervisor:
             else:
                 program.state = STOPPED  # between restarts: nothing runs
         self._write_status()
-        deadline = self.clock() + self.stop_timeout_s
-        while self.clock() < deadline and not self._hurry.is_set():
-            if all(p.proc is not None and p.proc.poll() is not None for p in stopping):
-                break
-            time.sleep(self.poll_s)
+        began = self.clock()
+        alive = list(stopping)
+        while alive:
+            now = self.clock()
+            for program in list(alive):
+                assert program.proc is not None
+                if program.proc.poll() is not None:
+                    alive.remove(program)
+                elif self._hurry.is_set() or now - began >= self.stop_timeouts.get(
+                    program.name, self.stop_timeout_s
+                ):
+                    why = "a second signal" if self._hurry.is_set() else "did not stop in time"
+                    log.warning("%s %s: SIGKILL", program.name, why)
+                    self._kill_group(program, signal.SIGKILL)
+                    alive.remove(program)
+            if alive:
+                time.sleep(self.poll_s)
         for program in stopping:
             assert program.proc is not None
-            if program.proc.poll() is None:
-                log.warning("%s did not stop in time: SIGKILL", program.name)
             self._kill_group(program, signal.SIGKILL)  # the group too: children it left behind
             program.proc.wait()
             program.state = STOPPED
