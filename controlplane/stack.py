@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             env=env,
             cwd=str(BASE_DIR),
             status_path=status_path,
-            # Daphne gives open requests (agents' long-polls) its 10 s application close timeout and
-            # can linger past it; the others get the default, above the agents' shutdown grace.
-            stop_timeouts={"web": 10.0},
+            # Daphne cancels its open requests at once on SIGTERM, yet can linger on a thread still
+            # serving an agent's long-poll; the others get the default, above the agents' grace.
+            stop_timeouts={"web": 5.0},
         )
         base_url = f"http://{args.host}:{args.port}"
         banner = sign_in_banner(base_url, data_dir, env)
