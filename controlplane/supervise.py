@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 from honcho.colour import get_colours
 from honcho.printer import Message, Printer
@@ -102,7 +102,6 @@ class Supervisor:
     stop_timeout_s: float = 40.0  # above the agents' 30 s shutdown grace
     stop_timeouts: Mapping[str, float] = field(default_factory=dict)  # per program, where it differs
     poll_s: float = 0.2
-    output: IO[str] | None = None
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -111,7 +110,7 @@ class Supervisor:
             name: _Program(name, shlex.split(command), next(colours))
             for name, command in self.programs.items()
         }
-        self._printer = Printer(self.output if self.output is not None else sys.stdout)
+        self._printer = Printer(sys.stdout)
         self._printer.width = max([len(name) for name in self._programs] + [6])
         self._print_lock = threading.Lock()
         self._stop = threading.Event()
@@ -133,17 +132,15 @@ class Supervisor:
                 for program in self._programs.values():
                     self._tend(program, now)
                 self._stop.wait(self.poll_s)
-            self._shutdown()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            with contextlib.suppress(FileNotFoundError):
-                self.status_path.unlink()
+            try:
+                self._shutdown()  # after a signal, or an error of our own: nothing is left running
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                with contextlib.suppress(FileNotFoundError):
+                    self.status_path.unlink()
         return 128 + self._signal if self._signal is not None else 0
-
-    def stop(self) -> None:
-        """Ask the loop to stop everything (what SIGINT/SIGTERM do)."""
-        self._stop.set()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._stop.is_set():
@@ -303,8 +300,11 @@ class Supervisor:
     def _write_status(self) -> None:
         # Written whole to a temporary file, then renamed over the old one: a reader never sees half.
         tmp = self.status_path.with_name(f".{self.status_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.status(), indent=1))
-        os.replace(tmp, self.status_path)
+        try:
+            tmp.write_text(json.dumps(self.status(), indent=1))
+            os.replace(tmp, self.status_path)
+        except OSError as exc:  # the states are for /healthz; supervising goes on without them
+            log.warning("could not write %s: %s", self.status_path, exc)
 
 
 def read_status(path: Path) -> dict[str, Any]:
