@@ -1,13 +1,19 @@
-"""Service checks behind /healthz: the database, the broker, the Celery workers and beat."""
+"""Service checks behind /healthz: the database, the broker, the Celery workers and beat, and
+under the run command the processes its supervisor keeps running."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
+import psutil
 import redis
 from django.conf import settings
 from django.db import connection
+
+from controlplane.supervise import RESTARTING, RUNNING, read_status
 
 BEAT_KEY = "dynarl:health:beat"
 
@@ -18,9 +24,10 @@ class CheckResult:
     ok: bool
     detail: str
     latency_ms: float
+    extra: dict[str, Any] = field(default_factory=dict)  # more of the check's findings, for machines
 
     def to_json(self) -> dict[str, object]:
-        return {"ok": self.ok, "detail": self.detail, "latency_ms": round(self.latency_ms, 1)}
+        return {"ok": self.ok, "detail": self.detail, "latency_ms": round(self.latency_ms, 1), **self.extra}
 
 
 def _redis_client() -> redis.Redis:
@@ -81,9 +88,44 @@ def check_beat() -> CheckResult:
     return _timed("beat", run)
 
 
+def _describe_process(name: str, process: dict[str, Any], now: float) -> str:
+    restarts = int(process.get("restarts") or 0)
+    if process.get("state") == RESTARTING:
+        next_at = process.get("next_attempt_at")
+        when = f", next in {max(0.0, float(next_at) - now):.1f}s" if next_at is not None else ""
+        return f"{name} restarting (attempt {process.get('attempt')}, {process.get('last_exit')}{when})"
+    if restarts:
+        return f"{name} {process.get('state')} (restarted {restarts}x, last {process.get('last_exit')})"
+    return f"{name} {process.get('state')}"
+
+
+def check_processes(status_file: str) -> CheckResult:
+    """The run command's processes: failing while any is not running (restarting after a crash)."""
+    processes: dict[str, Any] = {}
+
+    def run() -> str:
+        status = read_status(Path(status_file))
+        pid = status.get("supervisor_pid")
+        if not isinstance(pid, int) or not psutil.pid_exists(pid):
+            raise RuntimeError(f"the run command's supervisor (pid {pid}) is not running")
+        processes.update(status["processes"])
+        now = time.time()
+        described = {name: _describe_process(name, p, now) for name, p in processes.items()}
+        down = [text for name, text in described.items() if processes[name].get("state") != RUNNING]
+        if down:
+            raise RuntimeError("; ".join(down))
+        return ", ".join(described.values())
+
+    result = _timed("processes", run)
+    return replace(result, extra={"processes": processes})
+
+
 def mark_beat() -> None:
     _redis_client().set(BEAT_KEY, str(time.time()))
 
 
 def run_checks() -> list[CheckResult]:
-    return [check_database(), check_broker(), check_workers(), check_beat()]
+    results = [check_database(), check_broker(), check_workers(), check_beat()]
+    if settings.SUPERVISOR_STATUS_FILE:
+        results.append(check_processes(settings.SUPERVISOR_STATUS_FILE))
+    return results

@@ -5,7 +5,9 @@
 Starts embedded PostgreSQL and Redis unless DATABASE_URL / REDIS_URL are set, applies migrations,
 makes sure an admin account exists, then runs the ASGI server (HTTP + WebSocket), a Celery worker,
 Celery beat and (the live demo) simulated GPU hosts, each a real node agent with the ``sim``
-backend, under one supervisor; two sample jobs are submitted through the REST API. Ctrl-C (or SIGTERM) stops all of it and the embedded servers,
+backend, under one supervisor (controlplane/supervise.py) that restarts any of them that exits, with
+exponential backoff, while the others keep running; /healthz reports their states. Two sample jobs
+are submitted through the REST API. Ctrl-C (or SIGTERM) stops all of it and the embedded servers,
 leaving no process behind. Django is imported only in the children, after the environment is set.
 """
 
@@ -25,12 +27,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from honcho.manager import Manager
-
 from controlplane.embedded import EmbeddedPostgres, EmbeddedRedis
+from controlplane.supervise import Supervisor
 
 log = logging.getLogger("dynarl.stack")
 BASE_DIR = Path(__file__).resolve().parent.parent
+STATUS_FILE = "run-status.json"  # in the data directory, while the run command runs
 
 
 def _secret_key(data_dir: Path) -> str:
@@ -206,9 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.demo_nodes > 0:
             _manage(env, "demo_setup")
 
-        manager = Manager()
-        for name, command in build_processes(env, args.host, args.port, args.demo_nodes).items():
-            manager.add_process(name, command, env=env, cwd=str(BASE_DIR))
+        status_path = data_dir / STATUS_FILE
+        env["DYNARL_SUPERVISOR_STATUS_FILE"] = str(status_path)  # /healthz reports the states in it
+        supervisor = Supervisor(
+            build_processes(env, args.host, args.port, args.demo_nodes),
+            env=env,
+            cwd=str(BASE_DIR),
+            status_path=status_path,
+            # Daphne cancels its open requests at once on SIGTERM, yet can linger on a thread still
+            # serving an agent's long-poll; the others get the default, above the agents' grace.
+            stop_timeouts={"web": 5.0},
+        )
         base_url = f"http://{args.host}:{args.port}"
         banner = sign_in_banner(base_url, data_dir, env)
         threading.Thread(target=announce_when_ready, args=(base_url, banner), daemon=True).start()
@@ -221,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info(
             "dynarl is starting on http://%s:%s/  (health: /healthz, admin: /admin/)", args.host, args.port
         )
-        manager.loop()
-        return manager.returncode or 0
+        return supervisor.run()
     except subprocess.CalledProcessError as exc:
         log.error("setup step failed: %s", exc)
         return exc.returncode or 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -11,8 +13,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import psutil
+
+from controlplane.supervise import read_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,3 +79,72 @@ def celery_process(kind: str, env: dict[str, str], workdir: Path) -> Iterator[su
     finally:
         stop_process_tree(proc)
         log.close()
+
+
+# The run command's Supervisor in a process of its own: it installs signal handlers, which only a
+# main thread may.
+SUPERVISOR_DRIVER = """
+import json, logging, os, sys
+from pathlib import Path
+from controlplane.supervise import Backoff, Supervisor
+config = json.loads(sys.argv[1])
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+supervisor = Supervisor(
+    config["programs"], env=dict(os.environ), cwd=config["cwd"],
+    status_path=Path(config["status"]), backoff=Backoff(**config["backoff"]),
+    stop_timeout_s=config["stop_timeout_s"],
+)
+sys.exit(supervisor.run())
+"""
+
+
+def python(code: str) -> str:
+    """A command line running ``code`` in this Python."""
+    return f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+
+
+SLEEPER = python("import time; print('up', flush=True); time.sleep(600)")
+
+
+class SupervisorRun:
+    """A supervisor started by ``supervising``: its process, its states and its log."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], status_path: Path, log_path: Path) -> None:
+        self.proc, self.status_path, self.log_path = proc, status_path, log_path
+
+    def processes(self) -> dict[str, Any]:
+        try:
+            return read_status(self.status_path)["processes"]
+        except (OSError, ValueError):
+            return {}
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@contextmanager
+def supervising(
+    tmp_path: Path, programs: dict[str, str], stop_timeout_s: float = 10, **backoff: float
+) -> Iterator[SupervisorRun]:
+    """Supervise ``programs`` (name -> command line) until the block ends; ``backoff`` as in Backoff."""
+    status_path, log_path = tmp_path / "status.json", tmp_path / "supervisor.log"
+    config = {
+        "programs": programs,
+        "cwd": str(tmp_path),
+        "status": str(status_path),
+        "backoff": backoff,
+        "stop_timeout_s": stop_timeout_s,
+    }
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SUPERVISOR_DRIVER, json.dumps(config)],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        run = SupervisorRun(proc, status_path, log_path)
+        try:
+            assert wait_until(lambda: set(run.processes()) == set(programs), timeout_s=30), run.log()
+            yield run
+        finally:
+            stop_process_tree(proc)

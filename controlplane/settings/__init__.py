@@ -11,6 +11,8 @@ Variables (all optional unless noted):
   DYNARL_DATA_DIR  where the embedded default keeps its data (default: ./.dynarl)
   STATIC_ROOT      where collectstatic writes (default: $DYNARL_DATA_DIR/static)
   CELERY_WORKER_PING_TIMEOUT  seconds /healthz waits for workers to answer (default 1.0)
+  DYNARL_SUPERVISOR_STATUS_FILE  set by the run command for its processes: the file in which its
+                   supervisor keeps their states, which /healthz then reports (unset: no such check)
   LOG_LEVEL        default INFO
   METRICS_TOKEN    when set, /metrics requires "Authorization: Bearer <METRICS_TOKEN>"
   ALERT_*          anomaly alert thresholds (see the Monitoring block below)
@@ -192,6 +194,8 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_IMPORTS = ("scheduler.tasks_alerts",)
 # /healthz reports beat as late when its last mark is older than this many seconds.
 BEAT_STALE_AFTER_S = env_float("BEAT_STALE_AFTER_S", 30.0)
+# Under the run command, /healthz also reports the supervised processes' states from this file.
+SUPERVISOR_STATUS_FILE = env_optional("DYNARL_SUPERVISOR_STATUS_FILE")
 
 # --- The scheduling loop ------------------------------------------------------------------------
 SIGNAL_WINDOW_S = env_float("SIGNAL_WINDOW_S", 10.0)  # sliding window the policies read

@@ -9,11 +9,17 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
+from celery import Celery
 
+from controlplane.stack import STATUS_FILE
+from controlplane.supervise import read_status
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
 
 
@@ -36,13 +42,13 @@ def _processes_using(data_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def _start(data_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+def _start(data_dir: Path, port: int, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
     env = {
         k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEBUG"}
     }
     log = log_path.open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "controlplane.stack", "--data-dir", str(data_dir), "--port", str(port)],
+        [sys.executable, "-m", "controlplane.stack", "--data-dir", str(data_dir), "--port", str(port), *args],
         cwd=REPO_ROOT,
         env=env,
         stdout=log,
@@ -117,3 +123,178 @@ def test_run_command_serves_health_and_admin_and_leaves_nothing_behind(tmp_path:
     assert "admin account exists" in second_log  # the database was reused, not re-created
     assert (data_dir / "pgdata" / "PG_VERSION").stat().st_mtime_ns == cluster_created
     assert (data_dir / "admin-password").read_text().strip() == password
+
+
+# --- A crashed process comes back; the others keep running -------------------------------------
+
+# How each supervised process is recognised among the run command's descendants (python -m ...).
+ROLES = {
+    "web": ("daphne", None),
+    "worker": ("celery", "worker"),
+    "beat": ("celery", "beat"),
+    "sim-node-0": ("agents.daemon", None),
+}
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[bytes]
+    port: int
+    data_dir: Path
+    log_path: Path
+
+    def healthz(self) -> tuple[int, dict[str, Any]]:
+        status, body = _get(f"http://127.0.0.1:{self.port}/healthz")
+        return status, (json.loads(body) if status else {})
+
+    def pids(self) -> dict[str, int]:
+        """The pid of each role's process, found among the run command's descendants by command line:
+        the process itself, not a child of it such as a worker's pool process, and not an orphan
+        whose parent has just died."""
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return {}
+        cmdlines: dict[int, list[str] | None] = {self.proc.pid: ["run command"]}
+        parents: dict[int, int] = {}
+        for child in descendants:
+            try:
+                parents[child.pid] = child.ppid()
+                cmdlines[child.pid] = child.cmdline() or None  # a zombie's is empty
+            except psutil.Error:  # gone, or a zombie not yet reaped
+                cmdlines[child.pid] = None
+        found: dict[str, int] = {}
+        for pid, parent in parents.items():
+            cmdline, parent_cmdline = cmdlines.get(pid), cmdlines.get(parent)
+            if cmdline is None or parent_cmdline is None:
+                continue
+            for role, spec in ROLES.items():
+                if _plays(cmdline, spec) and not _plays(parent_cmdline, spec):
+                    found[role] = pid
+        return found
+
+    def settled(self) -> dict[str, int]:
+        """Once every role runs and /healthz is ok: their pids."""
+        assert wait_until(lambda: set(self.pids()) == set(ROLES), timeout_s=60), self.pids()
+        assert wait_until(lambda: self.healthz()[0] == 200, timeout_s=60), self.healthz()
+        return self.pids()
+
+    def processes(self) -> dict[str, Any]:
+        """The supervisor's states; none while it keeps no status file."""
+        try:
+            return read_status(self.data_dir / STATUS_FILE)["processes"]  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            return {}
+
+    def restarts(self, role: str) -> int:
+        return int(self.processes().get(role, {}).get("restarts", 0))
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def worker_pids_answering(self) -> set[int]:
+        """The pids the Celery workers report when asked over the embedded broker."""
+        probe = Celery(
+            "probe", broker=f"redis+socket://{self.data_dir}/redis/redis.sock", set_as_current=False
+        )
+        try:
+            stats = probe.control.inspect(timeout=2).stats() or {}
+        except OSError:
+            return set()
+        finally:
+            probe.close()
+        return {int(reply["pid"]) for reply in stats.values()}
+
+
+def _plays(cmdline: list[str], spec: tuple[str, str | None]) -> bool:
+    module, sub = spec
+    return cmdline[1:3] == ["-m", module] and (sub is None or sub in cmdline)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The run command with one simulated host and no demo jobs, healthy, every role running."""
+    tmp_path = tmp_path_factory.mktemp("supervised")
+    data_dir, log_path, port = tmp_path / "data", tmp_path / "run.log", free_port()
+    proc = _start(data_dir, port, log_path, "--demo-nodes", "1", "--no-demo-jobs")
+    running = Stack(proc, port, data_dir, log_path)
+    try:
+        assert wait_until(lambda: running.healthz()[0] == 200, timeout_s=120, interval_s=1), running.log()[
+            -4000:
+        ]
+        yield running
+    finally:
+        stop_process_tree(proc, timeout_s=60)
+        assert wait_until(lambda: not _processes_using(data_dir), timeout_s=10)
+
+
+def test_run_command_restarts_a_killed_worker_while_the_rest_keep_running(stack: Stack) -> None:
+    before = stack.settled()
+    restarts_before = stack.restarts("worker")
+    assert wait_until(lambda: stack.worker_pids_answering() == {before["worker"]}, timeout_s=30)
+
+    os.kill(before["worker"], signal.SIGKILL)
+
+    # A new worker process, and it is the one that answers the broker.
+    assert wait_until(lambda: stack.pids().get("worker") not in {None, before["worker"]}, timeout_s=60), (
+        stack.log()[-4000:]
+    )
+    new_worker = stack.pids()["worker"]
+    assert wait_until(lambda: stack.worker_pids_answering() == {new_worker}, timeout_s=60)
+    # The web server, beat and the agent were never stopped.
+    others = {role: pid for role, pid in before.items() if role != "worker"}
+    assert {role: pid for role, pid in stack.pids().items() if role != "worker"} == others
+    assert all(_alive(pid) for pid in others.values())
+    # The crash and the restart are logged and reported.
+    assert "worker exited (killed by SIGKILL)" in stack.log()
+    assert f"worker restarted (pid {new_worker}" in stack.log()
+    worker = stack.processes()["worker"]
+    assert worker["state"] == "running" and worker["pid"] == new_worker
+    assert worker["restarts"] == restarts_before + 1
+    assert wait_until(lambda: stack.healthz()[0] == 200, timeout_s=60)
+    reported = stack.healthz()[1]["checks"]["processes"]
+    assert reported["processes"]["worker"]["restarts"] == restarts_before + 1
+    assert "worker running (restarted" in reported["detail"]
+    assert "last killed by SIGKILL" in reported["detail"]
+
+
+def test_run_command_restarts_a_killed_web_server(stack: Stack) -> None:
+    before = stack.settled()
+    restarts_before = stack.restarts("web")
+
+    os.kill(before["web"], signal.SIGKILL)
+
+    assert wait_until(lambda: stack.pids().get("web") not in {None, before["web"]}, timeout_s=60), (
+        stack.log()[-4000:]
+    )
+    assert wait_until(lambda: stack.healthz()[0] == 200, timeout_s=60), stack.healthz()
+    assert stack.restarts("web") == restarts_before + 1
+    assert stack.healthz()[1]["checks"]["processes"]["processes"]["web"]["pid"] == stack.pids()["web"]
+    assert {role: pid for role, pid in stack.pids().items() if role != "web"} == {
+        role: pid for role, pid in before.items() if role != "web"
+    }
+    assert "web exited (killed by SIGKILL)" in stack.log()
+
+
+def test_run_command_stops_everything_on_sigterm(stack: Stack) -> None:
+    stack.settled()
+    descendants = psutil.Process(stack.proc.pid).children(recursive=True)
+
+    stack.proc.send_signal(signal.SIGTERM)
+
+    assert stack.proc.wait(90) == 128 + signal.SIGTERM
+    assert wait_until(lambda: not any(_alive(p.pid) for p in descendants), timeout_s=10), [
+        p.pid for p in descendants if _alive(p.pid)
+    ]
+    assert wait_until(lambda: not _processes_using(stack.data_dir), timeout_s=10), [
+        p.info["cmdline"] for p in _processes_using(stack.data_dir)
+    ]
+    assert not (stack.data_dir / STATUS_FILE).exists()
+    assert "SIGTERM received: stopping every process" in stack.log()
