@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -15,6 +16,22 @@ from pathlib import Path
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def memory_ceiling(extra_bytes: int) -> Iterator[None]:
+    """Cap this process's address space at its current size plus ``extra_bytes`` for the block:
+    code that would grow without bound (what a bug under test might do) fails with MemoryError
+    instead of taking the machine down."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    ceiling = psutil.Process().memory_info().vms + extra_bytes
+    if hard != resource.RLIM_INFINITY:
+        ceiling = min(ceiling, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (ceiling, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def free_port() -> int:
