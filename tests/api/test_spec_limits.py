@@ -42,9 +42,13 @@ def post_text(client: APIClient, text: str, content_type: str = "application/yam
 def test_an_alias_chain_in_a_policy_parameter_is_a_400_naming_the_limit(
     clients: dict[str, APIClient], cluster: list[Node]
 ) -> None:
-    text = alias_chain() + yaml.safe_dump(spec("bomb")) + "x-param: &p {u_low: *a8}\n"
-    text = text.replace("policy:\n  name: dynarl\n", "policy:\n  name: dynarl\n  params: *p\n")
-    assert "params: *p" in text and len(text) < 1200
+    document = yaml.safe_dump(spec("bomb"))
+    assert "policy:\n  name: dynarl\n" in document
+    document = document.replace(
+        "policy:\n  name: dynarl\n", "policy:\n  name: dynarl\n  params:\n    u_low: *a8\n"
+    )
+    text = alias_chain() + document
+    assert len(text) < 1200
     # On the old code the error's repr() of 10**9 values grew the server without end; the ceiling
     # makes that a MemoryError (a 500) here.
     with memory_ceiling(GIB):
