@@ -11,6 +11,11 @@ Both produce the same frozen ``JobSpec``. Every problem found is collected and r
 one ``SpecError`` whose ``errors`` carry key paths such as ``components[1].parallelism.tp``, so the
 CLI can print them all and the REST layer can answer one 400 naming every field at fault.
 
+A document is read within ``DocumentLimits`` (size, nesting depth, values with YAML aliases counted
+as expanded, alias uses) before anything else is done with it, rank ranges are bounded before they
+are expanded, integers are bounded to what the database columns hold, and messages quote values
+cut short: no spec makes the parser work, allocate or answer without bound.
+
 This module is used by the CLI and the node-side tools as well as by Django, so it must not import
 Django.
 """
@@ -478,9 +483,13 @@ def load_json(text: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> Any:
     if deepest > limits.max_depth:
         raise SpecError([_too_deep(limits)])
     try:
-        document = json.loads(text, object_pairs_hook=_json_object_without_duplicates)
+        document = json.loads(
+            text, object_pairs_hook=_json_object_without_duplicates, parse_constant=_json_constant
+        )
     except _DuplicateKeyError as exc:
         raise SpecError([FieldError("", f"JSON object has a duplicate key {_shown(exc.key)}")]) from exc
+    except _NotJsonConstant as exc:
+        raise SpecError([FieldError("", f"{exc.name} is not JSON (write a number)")]) from exc
     except json.JSONDecodeError as exc:
         raise SpecError(
             [FieldError("", f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}")]
@@ -599,6 +608,17 @@ def _load_yaml(text: str, limits: DocumentLimits) -> Any:
     if document is None:
         raise SpecError([FieldError("", "the document is empty")])
     return document
+
+
+class _NotJsonConstant(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _json_constant(name: str) -> float:
+    # Python's json reads NaN and Infinity, which JSON does not have (DRF's parser refuses them too).
+    raise _NotJsonConstant(name)
 
 
 class _DuplicateKeyError(ValueError):

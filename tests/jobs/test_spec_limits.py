@@ -207,6 +207,11 @@ def test_a_json_key_written_twice_is_refused() -> None:
     assert _only(_errors(text)).message == "JSON object has a duplicate key 'name'"
 
 
+def test_json_without_javascripts_constants() -> None:
+    text = json.dumps(_minimal())[:-1] + ', "tick_seconds": NaN}'
+    assert _only(_errors(text)).message == "NaN is not JSON (write a number)"
+
+
 # -- rank ranges are checked before they are expanded (finding 3) --------------------------------------
 
 
