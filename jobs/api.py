@@ -4,7 +4,8 @@ Submission takes the spec as a JSON object, as YAML/JSON text (``Content-Type: a
 or wrapped as ``{"spec": "<yaml text>"}``, with an optional ``Idempotency-Key`` header: the same
 key with the same spec answers 200 with the job it made the first time; with another spec, 409.
 Every form of body is read within the same JOB_SPEC_MAX_BYTES (413 over it) and decoded within the
-spec's other limits (see ``jobs.spec.DocumentLimits``). The views only translate HTTP to ``jobs.services`` and ``scheduler.services.migrations`` calls.
+spec's other limits (see ``jobs.spec.DocumentLimits``). The views only translate HTTP to
+``jobs.services`` and ``scheduler.services.migrations`` calls.
 """
 
 # mypy: disallow-subclassing-any=False, disallow-untyped-decorators=False

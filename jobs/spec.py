@@ -63,8 +63,8 @@ PRIORITY_MAX: Final = 2**31 - 1
 # Every other integer of a spec either lands in a 32-bit column (iterations, tp, pp, worker counts)
 # or is used with them; one past this is refused at its key rather than by the database.
 INTEGER_MAX: Final = 2**31 - 1
-# The most GPU (or node) ranks one rank list may name and the most GPUs one component may ask for;
-# checked before a range is expanded, so "0-9999999" costs nothing.
+# The most GPU (or node) ranks one rank list may name, and GPUs an RLinf cluster may span; checked
+# before a range is expanded, so "0-9999999" costs nothing.
 MAX_GPU_RANKS: Final = 65_536
 # Integer literals longer than this are refused while reading (Python's own limit is 4300 digits;
 # YAML's base-60 integers cost quadratic time in their length).
@@ -538,7 +538,7 @@ def compose_yaml(text: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> yaml.
 
 
 def _check_size(text: str, limits: DocumentLimits) -> None:
-    # Characters first: a text with fewer characters than the limit cannot have more bytes than 4x.
+    # UTF-8 takes at most 4 bytes a character, so only a text near the limit needs encoding to tell.
     if len(text) > limits.max_bytes or (
         len(text) * 4 > limits.max_bytes and len(text.encode("utf-8", "surrogatepass")) > limits.max_bytes
     ):
