@@ -33,6 +33,7 @@ from agents import services
 from agents.auth import AgentAuthError, authenticate_node, bootstrap_token
 from agents.models import AgentCommand, Device, Node
 from controlplane.audit import current_request_id
+from controlplane.bodies import BodyTooLarge, read_limited
 from controlplane.transitions import IllegalTransition
 from scheduler import progress
 from scheduler.services.migrations import StepNotForNode, StepNotFound
@@ -116,23 +117,16 @@ def _error_for(exc: Exception) -> JsonResponse | None:
     return None
 
 
-class BodyTooLarge(Exception):
-    """An agent request body over ``AGENT_MAX_BODY_BYTES``."""
-
-
 def _json_body(request: HttpRequest) -> Any:
     # Agents' bodies have their own limit (a step report can carry a rollout's whole queue), not
     # the browser forms' DATA_UPLOAD_MAX_MEMORY_SIZE that ``request.body`` enforces.
-    limit = settings.AGENT_MAX_BODY_BYTES
-    try:
-        length = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        length = 0
-    if length > limit:
-        raise BodyTooLarge(f"the request body is {length} bytes; agent requests may be at most {limit}")
-    raw = request.read(limit + 1)
-    if len(raw) > limit:
-        raise BodyTooLarge(f"the request body is over {limit} bytes, the most agent requests may send")
+    raw = read_limited(
+        request,
+        request.META,
+        limit=settings.AGENT_MAX_BODY_BYTES,
+        what="agent requests",
+        setting="AGENT_MAX_BODY_BYTES",
+    )
     try:
         return json.loads(raw or b"null")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -2,7 +2,7 @@
 error the API names (``components[1].parallelism.tp``, ``cluster.component_placement.actor``).
 
 The text is composed (not loaded) with PyYAML, which keeps each node's position; JSON is read the
-same way, being YAML's flow style. A path that goes past what the text holds (a missing key) is
+same way, being YAML's flow style. Composition is bounded by the spec limits, as at submission. A path that goes past what the text holds (a missing key) is
 placed at the deepest part of it that exists, where the key would have to be added.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 
 import yaml
+
+from jobs.spec import DEFAULT_LIMITS, DocumentLimits, SpecError, compose_yaml
 
 SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 LINE_IN_MESSAGE = re.compile(r"\bline (\d+)\b")
@@ -44,15 +46,17 @@ def _child(node: yaml.Node, segment: str | int) -> tuple[yaml.Node, int] | None:
     return None
 
 
-def line_of(text: str, path: str) -> int | None:
-    """The 1-based line of ``path`` in ``text``; None when the text does not parse."""
+def _compose(text: str, limits: DocumentLimits) -> yaml.Node | None:
+    """The node tree, composed within the spec limits (so no text can exhaust the stack or the
+    memory here either); None when the text does not parse."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+        return compose_yaml(text, limits=limits)
+    except SpecError:
         return None
-    if node is None:
-        return None
-    line = int(node.start_mark.line)
+
+
+def _line_in(root: yaml.Node, path: str) -> int:
+    node, line = root, int(root.start_mark.line)
     for segment in path_segments(path):
         child = _child(node, segment)
         if child is None:
@@ -61,13 +65,22 @@ def line_of(text: str, path: str) -> int | None:
     return line + 1
 
 
-def error_lines(text: str, problems: list[tuple[str, str]]) -> list[int | None]:
+def line_of(text: str, path: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> int | None:
+    """The 1-based line of ``path`` in ``text``; None when the text does not parse."""
+    root = _compose(text, limits)
+    return None if root is None else _line_in(root, path)
+
+
+def error_lines(
+    text: str, problems: list[tuple[str, str]], *, limits: DocumentLimits = DEFAULT_LIMITS
+) -> list[int | None]:
     """The line of each (path, message) problem: the path's line, or for a problem with the
-    document itself (a syntax error), the line its message names."""
+    document itself (a syntax error), the line its message names. The text is composed once."""
+    root = _compose(text, limits) if any(path for path, _ in problems) else None
     lines: list[int | None] = []
     for path, message in problems:
         if path:
-            lines.append(line_of(text, path))
+            lines.append(None if root is None else _line_in(root, path))
             continue
         mentioned = LINE_IN_MESSAGE.search(message)
         lines.append(int(mentioned.group(1)) if mentioned else None)

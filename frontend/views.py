@@ -16,6 +16,7 @@ from django.views.decorators.http import require_POST
 from controlplane.models import ActorType
 from frontend.specmap import error_lines
 from jobs.models import Job, JobState
+from jobs.services import spec_limits
 from scheduler.core.policies import POLICY_NAMES
 
 # Specs offered in the submit form's example picker, read from the repository.
@@ -77,4 +78,4 @@ def spec_lines(request: HttpRequest) -> JsonResponse:
         )
     if not isinstance(text, str):
         return JsonResponse({"error": {"status": 400, "message": "spec must be text"}}, status=400)
-    return JsonResponse({"lines": error_lines(text, problems)})
+    return JsonResponse({"lines": error_lines(text, problems, limits=spec_limits())})

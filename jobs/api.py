@@ -3,7 +3,9 @@
 Submission takes the spec as a JSON object, as YAML/JSON text (``Content-Type: application/yaml``)
 or wrapped as ``{"spec": "<yaml text>"}``, with an optional ``Idempotency-Key`` header: the same
 key with the same spec answers 200 with the job it made the first time; with another spec, 409.
-The views only translate HTTP to ``jobs.services`` and ``scheduler.services.migrations`` calls.
+Every form of body is read within the same JOB_SPEC_MAX_BYTES (413 over it) and decoded within the
+spec's other limits (see ``jobs.spec.DocumentLimits``). The views only translate HTTP to
+``jobs.services`` and ``scheduler.services.migrations`` calls.
 """
 
 # mypy: disallow-subclassing-any=False, disallow-untyped-decorators=False
@@ -11,6 +13,7 @@ The views only translate HTTP to ``jobs.services`` and ``scheduler.services.migr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +32,7 @@ from rest_framework.response import Response
 from agents.models import Device
 from controlplane.api.schema import error_response
 from controlplane.audit import Actor
+from controlplane.bodies import read_limited
 from jobs import services
 from jobs.filters import JobFilter, WorkerGroupFilter
 from jobs.models import Job, Worker, WorkerGroup, WorkerState
@@ -39,7 +43,7 @@ from jobs.serializers import (
     ManualMigrationSerializer,
     WorkerGroupSerializer,
 )
-from jobs.spec import FieldError, SpecError
+from jobs.spec import FieldError, SpecError, load_json
 from scheduler.serializers import MigrationSerializer
 from scheduler.services.migrations import request_manual_migration
 
@@ -52,6 +56,43 @@ CURRENT_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.
 # --- request bodies ----------------------------------------------------------------------------
 
 
+def _spec_body(stream: Any, parser_context: Mapping[str, Any] | None) -> str:
+    """The body as text, read within JOB_SPEC_MAX_BYTES whatever its type (a 413 over it)."""
+    context = parser_context or {}
+    request = context.get("request")
+    raw = read_limited(
+        stream,
+        request.META if request is not None else {},
+        limit=settings.JOB_SPEC_MAX_BYTES,
+        what="job specs",
+        setting="JOB_SPEC_MAX_BYTES",
+    )
+    encoding = context.get("encoding") or settings.DEFAULT_CHARSET
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise ParseError(f"the body is not valid {encoding} text") from exc
+
+
+class SpecJSONParser(BaseParser):
+    """A JSON body, read within JOB_SPEC_MAX_BYTES and decoded by the spec loader: nesting and
+    size are bounded before and while decoding, and a key written twice is refused, as in YAML.
+    (Not a subclass of DRF's JSONParser, for which DRF reads ``request.body`` first.)"""
+
+    media_type = "application/json"
+
+    def parse(
+        self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
+    ) -> Any:
+        try:
+            return load_json(_spec_body(stream, parser_context), limits=services.spec_limits())
+        except SpecError as exc:
+            if isinstance(exc.__cause__, json.JSONDecodeError):
+                # A body that is not JSON at all stays a parse error, as for any JSON endpoint.
+                raise ParseError(f"JSON parse error - {exc.errors[0].message}") from exc
+            raise
+
+
 class SpecTextParser(BaseParser):
     """A YAML (or JSON) text body, handed to the spec parser as text so that its syntax errors and
     duplicate keys are reported with line and column."""
@@ -61,12 +102,7 @@ class SpecTextParser(BaseParser):
     def parse(
         self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
     ) -> str:
-        encoding = (parser_context or {}).get("encoding") or settings.DEFAULT_CHARSET
-        try:
-            text: str = stream.read().decode(encoding)
-        except UnicodeDecodeError as exc:
-            raise ParseError(f"the body is not valid {encoding} text") from exc
-        return text
+        return _spec_body(stream, parser_context)
 
 
 class TextYamlParser(SpecTextParser):
@@ -191,7 +227,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     filter_backends = [DjangoFilterBackend]
     filterset_class = JobFilter
-    parser_classes = [JSONParser, SpecTextParser, TextYamlParser, XYamlParser]
+    # Submission's parsers; the actions below take plain JSON.
+    parser_classes = [SpecJSONParser, SpecTextParser, TextYamlParser, XYamlParser]
 
     def get_queryset(self) -> QuerySet[Job]:
         jobs = jobs_with_gpus().order_by("-submitted_at", "-id")
@@ -230,8 +267,12 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             200: OpenApiResponse(
                 JobDetailSerializer, description="this Idempotency-Key made this job before"
             ),
-            400: error_response("Invalid spec: `fields` holds each key path at fault."),
+            400: error_response(
+                "Invalid spec: `fields` holds each key path at fault (also a document nested too "
+                "deep or holding too many values)."
+            ),
             409: error_response("The Idempotency-Key was used before with a different spec."),
+            413: error_response("The body is larger than JOB_SPEC_MAX_BYTES (the message names it)."),
             422: error_response("A valid spec that can never fit on this cluster."),
         },
         examples=[
@@ -253,7 +294,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return self._detail(submission.job.pk, code, Location=location)
 
     @extend_schema(request=JobActionSerializer, responses={200: JobDetailSerializer, 409: JOB_CONFLICT})
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel the job and stop its workers (from any non-terminal state)."""
         job, detail = self._action_target(request)
@@ -261,7 +302,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return self._detail(job.pk)
 
     @extend_schema(request=JobActionSerializer, responses={200: JobDetailSerializer, 409: JOB_CONFLICT})
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
     def pause(self, request: Request, pk: str | None = None) -> Response:
         """Stop the scheduler from moving GPUs for this job (it keeps running as it is)."""
         job, detail = self._action_target(request)
@@ -269,7 +310,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return self._detail(job.pk)
 
     @extend_schema(request=JobActionSerializer, responses={200: JobDetailSerializer, 409: JOB_CONFLICT})
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
     def resume(self, request: Request, pk: str | None = None) -> Response:
         """Let the scheduler move GPUs for this job again."""
         job, detail = self._action_target(request)
@@ -292,7 +333,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             ),
         },
     )
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
     def migrate(self, request: Request, pk: str | None = None) -> Response:
         """Move workers' GPUs from one group to another by hand (operators), e.g. from rollout to
         actor. The migration runs through the agents like any other; devices change owner when it

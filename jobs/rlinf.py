@@ -30,6 +30,7 @@ from jobs.spec import (
     DEFAULT_MAX_TURNS,
     DEFAULT_TOOL_LATENCY_S,
     JOB_NAME_PATTERN,
+    MAX_GPU_RANKS,
     MAX_TICK_SECONDS,
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -46,7 +47,9 @@ from jobs.spec import (
     _Marker,
     _Problems,
     _Section,
+    _shown,
     _suggestion,
+    check_trace,
     format_gpu_ranks,
     parse_gpu_ranks,
 )
@@ -162,7 +165,7 @@ class _RLinfSection(_Section):
         value = _resolve(written, self.root)
         if value is _UNRESOLVED:
             self.fail(
-                key, f"{written!r} is an interpolation dynarl does not evaluate; write the value itself"
+                key, f"{_shown(written)} is an interpolation dynarl does not evaluate; write the value itself"
             )
             return _REPORTED
         return value
@@ -249,6 +252,14 @@ def translate_rlinf(document: Mapping[Any, Any], *, cluster_gpus: int | None = N
     num_nodes = cluster.integer("num_nodes", required=True, minimum=1)
     gpus_per_node = cluster.integer("num_gpus_per_node", DEFAULT_GPUS_PER_NODE, minimum=1)
     total_gpus = num_nodes * gpus_per_node if num_nodes is not None and gpus_per_node is not None else None
+    if total_gpus is not None and total_gpus > MAX_GPU_RANKS:
+        # Refused before any rank list is expanded against it.
+        cluster.fail(
+            "num_nodes",
+            f"the config spans {total_gpus} GPUs ({num_nodes} nodes x {gpus_per_node}); a spec may span at most "
+            f"{MAX_GPU_RANKS}",
+        )
+        num_nodes = gpus_per_node = total_gpus = None
     if cluster_gpus is not None and total_gpus is not None and total_gpus > cluster_gpus:
         cluster.fail(
             "num_nodes",
@@ -460,12 +471,14 @@ def _read_placement(
             if name not in RLINF_COMPONENTS:
                 placement.fail(
                     key,
-                    f"unknown component {name!r}{_suggestion(name, RLINF_COMPONENTS)}; dynarl schedules "
+                    f"unknown component {_shown(name)}{_suggestion(name, RLINF_COMPONENTS)}; dynarl schedules "
                     f"{', '.join(RLINF_COMPONENTS)}",
                 )
                 names_ok = False
             elif name in placed_under:
-                placement.fail(key, f"component {name!r} is placed twice (also under {placed_under[name]!r})")
+                placement.fail(
+                    key, f"component {name!r} is placed twice (also under {_shown(placed_under[name])})"
+                )
                 names_ok = False
             else:
                 placed_under[name] = key
@@ -609,7 +622,7 @@ def _without_process_ranks(value: Any) -> Any:
             try:
                 parse_gpu_ranks(processes, None)
             except RankError as exc:
-                raise RankError(f"process ranks {processes.strip()!r}: {exc}") from exc
+                raise RankError(f"process ranks {_shown(processes.strip())}: {exc}") from exc
         resources.append(resource)
     return ",".join(resources)
 
@@ -878,7 +891,7 @@ def _workload(root: _RLinfSection, overrides: _Overrides, drafts: Sequence[_Draf
     if kind is None and not section.has("workload_kind"):
         kind = "agentic" if tool_present else "math"
     staleness = section.integer("staleness", 0, minimum=0)
-    trace = section.string("trace", None, nullable=True, max_length=500)
+    trace = check_trace(section, section.string("trace", None, nullable=True, max_length=500))
     max_turns: int | None = None
     tool_latency_s: float | None = None
     agentic_ok = True

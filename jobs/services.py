@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -30,7 +31,7 @@ from jobs.models import (
     WorkerGroup,
     WorkerState,
 )
-from jobs.spec import JobSpec, parse_spec
+from jobs.spec import DocumentLimits, JobSpec, parse_spec
 from scheduler.core.hypergraph import DEFAULT_INTERRUPTIBILITY, DEFAULT_SCALING
 from scheduler.core.hypergraph import Device as CoreDevice
 from scheduler.core.placement import GroupRequest, PlacementFailure, fits_in
@@ -53,6 +54,16 @@ class IdempotencyConflict(Exception):
 class Submission:
     job: Job
     created: bool
+
+
+def spec_limits() -> DocumentLimits:
+    """The bounds a submitted spec is read within (the JOB_SPEC_MAX_* settings)."""
+    return DocumentLimits(
+        max_bytes=settings.JOB_SPEC_MAX_BYTES,
+        max_depth=settings.JOB_SPEC_MAX_DEPTH,
+        max_nodes=settings.JOB_SPEC_MAX_NODES,
+        max_aliases=settings.JOB_SPEC_MAX_ALIASES,
+    )
 
 
 def fingerprint(source: str | Mapping[str, Any]) -> str:
@@ -123,7 +134,7 @@ def submit_job(
                 raise IdempotencyConflict(idempotency_key)
             return Submission(existing, created=False)
 
-    spec = parse_spec(source)
+    spec = parse_spec(source, limits=spec_limits())
     failure = never_fits(group_requests(spec), registered_devices(), spec.backend)
     if failure is not None:
         raise SubmissionRefused(

@@ -11,6 +11,11 @@ Both produce the same frozen ``JobSpec``. Every problem found is collected and r
 one ``SpecError`` whose ``errors`` carry key paths such as ``components[1].parallelism.tp``, so the
 CLI can print them all and the REST layer can answer one 400 naming every field at fault.
 
+A document is read within ``DocumentLimits`` (size, nesting depth, values with YAML aliases counted
+as expanded, alias uses) before anything else is done with it, rank ranges are bounded before they
+are expanded, integers are bounded to what the database columns hold, and messages quote values
+cut short: no spec makes the parser work, allocate or answer without bound.
+
 This module is used by the CLI and the node-side tools as well as by Django, so it must not import
 Django.
 """
@@ -23,6 +28,7 @@ import json
 import math
 import os
 import re
+import reprlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -54,6 +60,17 @@ DEFAULT_POLICY: Final = "dynarl"
 # A job's priority is stored in a 32-bit database column.
 PRIORITY_MIN: Final = -(2**31)
 PRIORITY_MAX: Final = 2**31 - 1
+# Every other integer of a spec either lands in a 32-bit column (iterations, tp, pp, worker counts)
+# or is used with them; one past this is refused at its key rather than by the database.
+INTEGER_MAX: Final = 2**31 - 1
+# The most GPU (or node) ranks one rank list may name, and GPUs an RLinf cluster may span; checked
+# before a range is expanded, so "0-9999999" costs nothing.
+MAX_GPU_RANKS: Final = 65_536
+# Integer literals longer than this are refused while reading (Python's own limit is 4300 digits;
+# YAML's base-60 integers cost quadratic time in their length).
+MAX_INTEGER_CHARS: Final = 100
+# At most this many problems are listed; the rest are counted.
+MAX_REPORTED_PROBLEMS: Final = 50
 MAX_TICK_SECONDS: Final = 3600.0
 DEFAULT_MAX_TURNS: Final = 8
 DEFAULT_TOOL_LATENCY_S: Final = 1.0
@@ -100,12 +117,25 @@ POLICY_KEYS: Final = ("name", "params")
 # -- errors ---------------------------------------------------------------------------------------
 
 
+# Backstop for what a problem may quote: a path is built from keys the user wrote, a message may
+# quote a value; neither may grow with the document.
+MAX_PATH_CHARS: Final = 300
+MAX_MESSAGE_CHARS: Final = 1000
+
+
 @dataclass(frozen=True)
 class FieldError:
-    """One problem, at one key path (``""`` is the document itself)."""
+    """One problem, at one key path (``""`` is the document itself); both are cut to a bounded
+    length."""
 
     path: str
     message: str
+
+    def __post_init__(self) -> None:
+        if len(self.path) > MAX_PATH_CHARS:
+            object.__setattr__(self, "path", self.path[: MAX_PATH_CHARS - 3] + "...")
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            object.__setattr__(self, "message", self.message[: MAX_MESSAGE_CHARS - 3] + "...")
 
     def __str__(self) -> str:
         return f"{self.path or '(document)'}: {self.message}"
@@ -115,10 +145,18 @@ class FieldError:
 
 
 class SpecError(ValueError):
-    """A job spec that cannot be accepted; ``errors`` holds every problem found, not just the first."""
+    """A job spec that cannot be accepted; ``errors`` holds every problem found, not just the first
+    (beyond ``MAX_REPORTED_PROBLEMS``, one last entry counts the rest)."""
 
     def __init__(self, errors: Iterable[FieldError]) -> None:
         self.errors: list[FieldError] = list(errors)
+        if len(self.errors) > MAX_REPORTED_PROBLEMS:
+            # A document of thousands of bad keys must not make an answer of thousands of lines.
+            hidden = len(self.errors) - MAX_REPORTED_PROBLEMS
+            self.errors = [
+                *self.errors[:MAX_REPORTED_PROBLEMS],
+                FieldError("", f"and {hidden} more problems not listed"),
+            ]
         count = len(self.errors)
         lines = "\n".join(f"  {error}" for error in self.errors)
         super().__init__(f"invalid job spec ({count} problem{'s' if count != 1 else ''}):\n{lines}")
@@ -133,6 +171,37 @@ class SpecError(ValueError):
 
 class RankError(ValueError):
     """A GPU rank list (``"0-3"``, ``"0-1,4-5"``, ``"all"``) that cannot be expanded."""
+
+
+# -- bounds on the document -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DocumentLimits:
+    """How big a spec document may be, checked while it is read and before anything else is done
+    with it. The control plane takes them from its settings (``JOB_SPEC_MAX_*``)."""
+
+    max_bytes: int = 1024 * 1024  # the text, UTF-8 encoded
+    max_depth: int = 64  # nesting: the top-level mapping is level 1, its values level 2, ...
+    max_nodes: int = 20_000  # keys, items and scalars, counting what YAML aliases repeat
+    max_aliases: int = 200  # YAML alias uses (``*name``)
+
+
+DEFAULT_LIMITS: Final = DocumentLimits()
+
+# Values echoed in messages are cut to a few dozen characters: a message must never grow with the
+# document (repr() of a structure an alias chain repeats a billion times never ends).
+_SHORT: Final = reprlib.Repr()
+_SHORT.maxstring = 60
+_SHORT.maxother = 60
+_SHORT.maxlong = 40
+_SHORT.maxlevel = 2
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+def _shown(value: object) -> str:
+    """repr() of a value given by the user, bounded in length."""
+    return _SHORT.repr(value)
 
 
 # -- the parsed spec --------------------------------------------------------------------------------
@@ -353,15 +422,25 @@ class JobSpec:
 # -- entry points ---------------------------------------------------------------------------------
 
 
-def parse_spec(text_or_mapping: str | Mapping[str, Any], *, cluster_gpus: int | None = None) -> JobSpec:
+def parse_spec(
+    text_or_mapping: str | Mapping[str, Any],
+    *,
+    cluster_gpus: int | None = None,
+    limits: DocumentLimits = DEFAULT_LIMITS,
+) -> JobSpec:
     """Parse and validate a job spec (YAML or JSON text, or a decoded mapping).
 
     ``cluster_gpus``, when given, is the size of the cluster the job is for: explicit placements
-    must fit inside it and ``"all"`` expands to it. Raises ``SpecError`` listing every problem.
+    must fit inside it and ``"all"`` expands to it. ``limits`` bound the document (a mapping is
+    checked against them too). Raises ``SpecError`` listing every problem.
     """
-    document = load_document(text_or_mapping) if isinstance(text_or_mapping, str) else text_or_mapping
+    if isinstance(text_or_mapping, str):
+        document = load_document(text_or_mapping, limits=limits)
+    else:
+        document = text_or_mapping
+        check_document_bounds(document, limits)
     if cluster_gpus is not None and (not _is_int(cluster_gpus) or cluster_gpus < 1):
-        raise ValueError(f"cluster_gpus must be a positive integer, got {cluster_gpus!r}")
+        raise ValueError(f"cluster_gpus must be a positive integer, got {_shown(cluster_gpus)}")
     if not isinstance(document, Mapping):
         raise SpecError(
             [FieldError("", f"a job spec must be a mapping at the top level, got {_describe(document)}")]
@@ -374,44 +453,172 @@ def parse_spec(text_or_mapping: str | Mapping[str, Any], *, cluster_gpus: int | 
     return _parse_dynarl(document, cluster_gpus=cluster_gpus)
 
 
-def parse_spec_file(path: str | os.PathLike[str], *, cluster_gpus: int | None = None) -> JobSpec:
+def parse_spec_file(
+    path: str | os.PathLike[str], *, cluster_gpus: int | None = None, limits: DocumentLimits = DEFAULT_LIMITS
+) -> JobSpec:
     try:
         with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+            text = handle.read(limits.max_bytes + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError([FieldError("", f"cannot read {os.fspath(path)!s}: {exc}")]) from exc
-    return parse_spec(text, cluster_gpus=cluster_gpus)
+    return parse_spec(text, cluster_gpus=cluster_gpus, limits=limits)
 
 
-def load_document(text: str) -> Any:
-    """Decode YAML or JSON text; syntax errors and duplicate keys become a ``SpecError`` at path ""."""
+def load_document(text: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> Any:
+    """Decode YAML or JSON text within ``limits``; syntax errors, duplicate keys and documents
+    over a limit become a ``SpecError`` at path ""."""
+    _check_size(text, limits)
     if not text.strip():
         raise SpecError([FieldError("", "the document is empty")])
     if _JSON_OBJECT_START.match(text):
-        try:
-            return json.loads(text, object_pairs_hook=_json_object_without_duplicates)
-        except _DuplicateKeyError as exc:
-            raise SpecError([FieldError("", f"JSON object has a duplicate key {exc.key!r}")]) from exc
-        except json.JSONDecodeError as exc:
-            raise SpecError(
-                [FieldError("", f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}")]
-            ) from exc
-    return _load_yaml(text)
+        return load_json(text, limits=limits)
+    return _load_yaml(text, limits)
 
 
-def _load_yaml(text: str) -> Any:
+def load_json(text: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> Any:
+    """Decode JSON text within ``limits``, refusing a key written twice in one object (as YAML's
+    loader does). Nesting is measured before decoding, so deep nesting cannot exhaust the stack."""
+    _check_size(text, limits)
+    deepest = _json_nesting(text, limits.max_depth)
+    if deepest > limits.max_depth:
+        raise SpecError([_too_deep(limits)])
     try:
-        document = yaml.load(text, Loader=_StrictSafeLoader)  # a SafeLoader subclass: safe_load semantics
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = exc.problem or exc.context or "invalid YAML"
-        raise SpecError([FieldError("", f"YAML syntax error{where}: {problem}")]) from exc
+        document = json.loads(
+            text, object_pairs_hook=_json_object_without_duplicates, parse_constant=_json_constant
+        )
+    except _DuplicateKeyError as exc:
+        raise SpecError([FieldError("", f"JSON object has a duplicate key {_shown(exc.key)}")]) from exc
+    except _NotJsonConstant as exc:
+        raise SpecError([FieldError("", f"{exc.name} is not JSON (write a number)")]) from exc
+    except json.JSONDecodeError as exc:
+        raise SpecError(
+            [FieldError("", f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}")]
+        ) from exc
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, say
+        raise SpecError([FieldError("", f"JSON value cannot be read: {_clip(str(exc))}")]) from exc
+    check_document_bounds(document, limits)
+    return document
+
+
+def check_document_bounds(document: object, limits: DocumentLimits = DEFAULT_LIMITS) -> None:
+    """Refuse a decoded document nested deeper or holding more values than ``limits`` allow.
+
+    Iterative and stopping at the limit, so shared or even cyclic structures (a YAML alias chain
+    as Python objects) cost at most ``max_nodes`` steps."""
+    nodes = 0
+    stack: list[tuple[object, int]] = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if depth > limits.max_depth:
+            raise SpecError([_too_deep(limits)])
+        if isinstance(value, Mapping):
+            children: list[object] = [part for pair in value.items() for part in pair]
+        elif isinstance(value, list | tuple):
+            children = list(value[: limits.max_nodes + 1])
+        else:
+            children = []
+        if nodes + len(stack) + len(children) > limits.max_nodes:
+            raise SpecError([_too_many_nodes(limits)])
+        stack.extend((child, depth + 1) for child in children)
+
+
+def compose_yaml(text: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> yaml.Node | None:
+    """The YAML node tree of ``text`` (positions kept, nothing constructed), within ``limits``."""
+    _check_size(text, limits)
+    loader = _BoundedSafeLoader(text, limits)
+    try:
+        return loader.get_single_node()
+    except _Refused as exc:
+        raise SpecError([FieldError("", f"{exc.message}{_where(exc.mark, parenthesised=True)}")]) from exc
     except yaml.YAMLError as exc:
-        raise SpecError([FieldError("", f"YAML syntax error: {exc}")]) from exc
+        raise _yaml_syntax_error(exc) from exc
+    finally:
+        loader.dispose()
+
+
+def _check_size(text: str, limits: DocumentLimits) -> None:
+    # UTF-8 takes at most 4 bytes a character, so only a text near the limit needs encoding to tell.
+    if len(text) > limits.max_bytes or (
+        len(text) * 4 > limits.max_bytes and len(text.encode("utf-8", "surrogatepass")) > limits.max_bytes
+    ):
+        raise SpecError(
+            [FieldError("", f"the document is larger than {limits.max_bytes} bytes, the most a spec may be")]
+        )
+
+
+def _too_deep(limits: DocumentLimits) -> FieldError:
+    return FieldError("", f"the document nests deeper than {limits.max_depth} levels, the most a spec may")
+
+
+def _too_many_nodes(limits: DocumentLimits) -> FieldError:
+    return FieldError(
+        "",
+        f"the document holds more than {limits.max_nodes} values (keys, items and scalars, counting what "
+        "YAML aliases repeat), the most a spec may",
+    )
+
+
+# A JSON string (escapes included) and the brackets outside strings; a linear scan, no recursion.
+_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_BRACKET: Final = re.compile(r"[\[\]{}]")
+
+
+def _json_nesting(text: str, limit: int) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (scalars not counted), stopping
+    once past ``limit``; for text that is not JSON, a harmless over-estimate."""
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def _where(mark: Any, *, parenthesised: bool = False) -> str:  # one of PyYAML's two Mark types, or None
+    if mark is None:
+        return ""
+    where = f"at line {mark.line + 1}, column {mark.column + 1}"
+    return f" ({where})" if parenthesised else f" {where}"
+
+
+def _yaml_syntax_error(exc: yaml.YAMLError) -> SpecError:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "invalid YAML"
+        return SpecError([FieldError("", f"YAML syntax error{_where(mark)}: {_clip(problem)}")])
+    return SpecError([FieldError("", f"YAML syntax error: {_clip(str(exc))}")])
+
+
+def _load_yaml(text: str, limits: DocumentLimits) -> Any:
+    loader = _BoundedSafeLoader(text, limits)  # a SafeLoader subclass: safe_load semantics
+    try:
+        document = loader.get_single_data()
+    except _Refused as exc:
+        raise SpecError([FieldError("", f"{exc.message}{_where(exc.mark, parenthesised=True)}")]) from exc
+    except yaml.YAMLError as exc:
+        raise _yaml_syntax_error(exc) from exc
+    finally:
+        loader.dispose()
     if document is None:
         raise SpecError([FieldError("", "the document is empty")])
     return document
+
+
+class _NotJsonConstant(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _json_constant(name: str) -> float:
+    # Python's json reads NaN and Infinity, which JSON does not have (DRF's parser refuses them too).
+    raise _NotJsonConstant(name)
 
 
 class _DuplicateKeyError(ValueError):
@@ -429,8 +636,31 @@ def _json_object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, A
     return result
 
 
+class _Refused(Exception):
+    """A YAML document refused while being read: past one of its ``DocumentLimits``, or holding
+    a value Python cannot build."""
+
+    def __init__(self, message: str, mark: Any) -> None:  # PyYAML's Mark (pure or libyaml) or None
+        super().__init__(message)
+        self.message = message
+        self.mark = mark
+
+
+_INT_TAG: Final = "tag:yaml.org,2002:int"
+
+
 class _StrictSafeLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` semantics, but a key written twice is an error instead of last-one-wins."""
+    """``yaml.safe_load`` semantics, but a key written twice is an error instead of last-one-wins,
+    and a value Python cannot build (``2024-13-45``, an integer of a thousand digits) is an error
+    at its line rather than an exception of another kind."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        if isinstance(node, yaml.ScalarNode) and node.tag == _INT_TAG and len(node.value) > MAX_INTEGER_CHARS:
+            raise _Refused(f"an integer of more than {MAX_INTEGER_CHARS} characters", node.start_mark)
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            raise _Refused(f"cannot read this value: {_clip(str(exc))}", node.start_mark) from exc
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -445,10 +675,60 @@ class _StrictSafeLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
                     node.start_mark,
-                    f"found duplicate key {key!r}",
+                    f"found duplicate key {_shown(key)}",
                     key_node.start_mark,
                 )
         return super().construct_mapping(node, deep=deep)
+
+
+class _BoundedSafeLoader(_StrictSafeLoader):
+    """Composes within ``DocumentLimits``: nesting depth, alias uses, and values counted as if
+    every alias were expanded (an alias adds the size of the node it names), so an alias chain
+    that would expand to billions of values is refused after ``max_nodes``, before anything is
+    built. The composer is where PyYAML resolves aliases and where it recurses."""
+
+    def __init__(self, stream: str, limits: DocumentLimits) -> None:
+        super().__init__(stream)
+        self.limits = limits
+        self._depth = 0
+        self._nodes = 0
+        self._aliases = 0
+        self._sizes: dict[Any, int] = {}  # anchor -> expanded size of its node, once composed
+
+    def _count(self, nodes: int, mark: Any) -> None:
+        self._nodes += nodes
+        if self._nodes > self.limits.max_nodes:
+            raise _Refused(_too_many_nodes(self.limits).message, mark)
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in PyYAML's stubs
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self.anchors:  # an undefined one is reported by the composer
+                size = self._sizes.get(event.anchor)
+                if size is None:
+                    raise _Refused(
+                        f"alias *{_clip(str(event.anchor))} refers to a node that contains it",
+                        event.start_mark,
+                    )
+                self._aliases += 1
+                if self._aliases > self.limits.max_aliases:
+                    raise _Refused(
+                        f"the document uses more than {self.limits.max_aliases} aliases, the most a spec may",
+                        event.start_mark,
+                    )
+                self._count(size, event.start_mark)
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > self.limits.max_depth:
+            raise _Refused(_too_deep(self.limits).message, event.start_mark)
+        before = self._nodes
+        self._count(1, event.start_mark)
+        node = super().compose_node(parent, index)
+        self._depth -= 1
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._sizes[anchor] = self._nodes - before
+        return node
 
 
 # -- GPU rank lists -------------------------------------------------------------------------------
@@ -458,12 +738,15 @@ def parse_gpu_ranks(value: object, limit: int | None, *, capacity: str | None = 
     """Expand ``"0-3"``, ``"0-1,4-5"``, ``"0-3,6"``, ``"all"`` or a single integer into sorted ranks.
 
     ``limit`` is how many ranks exist (``None``: unknown, then ``"all"`` cannot be expanded and
-    nothing is bounds-checked); ``capacity`` describes them in messages (default "the cluster's
-    N GPUs"). Raises ``RankError``.
+    ranks are only checked against ``MAX_GPU_RANKS``); ``capacity`` describes them in messages
+    (default "the cluster's N GPUs"). Every bound is checked before a range is expanded. Raises
+    ``RankError``.
     """
     within = capacity if capacity is not None else f"the cluster's {limit} GPUs"
     if _is_int(value):
         assert isinstance(value, int)
+        if value >= MAX_GPU_RANKS:  # also keeps str() away from integers of thousands of digits
+            raise RankError(f"rank {_shown(value)} is above {MAX_GPU_RANKS - 1}, the highest a spec may name")
         text = str(value)
     elif isinstance(value, str):
         text = value.strip()
@@ -472,6 +755,8 @@ def parse_gpu_ranks(value: object, limit: int | None, *, capacity: str | None = 
     if text == "all":
         if limit is None:
             raise RankError('"all" needs the cluster size; list the ranks or validate against a cluster')
+        if limit > MAX_GPU_RANKS:
+            raise RankError(f'"all" would name {limit} ranks; a rank list may name at most {MAX_GPU_RANKS}')
         return tuple(range(limit))
     if not text:
         raise RankError('is empty; give ranks such as "0-3" or "all"')
@@ -480,7 +765,12 @@ def parse_gpu_ranks(value: object, limit: int | None, *, capacity: str | None = 
     for part in (p.strip() for p in text.split(",")):
         match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
         if match is None:
-            raise RankError(f"{part!r} is not a rank or a range a-b (in {text!r})")
+            raise RankError(f"{_shown(part)} is not a rank or a range a-b (in {_shown(text)})")
+        digits = max(len(match.group(1)), len(match.group(2) or ""))
+        if digits > len(str(MAX_GPU_RANKS)):
+            raise RankError(
+                f"{_shown(part)} names a rank above {MAX_GPU_RANKS - 1}, the highest a spec may name"
+            )
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
         label = f"range {first}-{last}" if match.group(2) is not None else f"rank {first}"
@@ -488,20 +778,25 @@ def parse_gpu_ranks(value: object, limit: int | None, *, capacity: str | None = 
             raise RankError(f"{label} is reversed (write {last}-{first})")
         if limit is not None and last >= limit:
             raise RankError(f"{label} exceeds {within} (ranks 0-{limit - 1})")
+        if last >= MAX_GPU_RANKS:
+            raise RankError(f"{label} goes above rank {MAX_GPU_RANKS - 1}, the highest a spec may name")
         for rank in range(first, last + 1):
             if rank in seen:
-                raise RankError(f"rank {rank} is listed twice in {text!r}")
+                raise RankError(f"rank {rank} is listed twice in {_shown(text)}")
             seen.add(rank)
             ranks.append(rank)
     return tuple(sorted(ranks))
 
 
-def format_gpu_ranks(ranks: Iterable[int]) -> str:
-    """The compact form of a rank set: ``[0, 1, 2, 3, 6]`` -> ``"0-3,6"``."""
+def format_gpu_ranks(ranks: Iterable[int], *, max_spans: int = 16) -> str:
+    """The compact form of a rank set: ``[0, 1, 2, 3, 6]`` -> ``"0-3,6"``; past ``max_spans``
+    spans the rest is counted (``"0,2,4,...(+99 more)"``), since messages quote it."""
     ordered = sorted(set(ranks))
     spans: list[str] = []
     index = 0
     while index < len(ordered):
+        if len(spans) == max_spans:
+            return ",".join(spans) + f",...(+{len(ordered) - index} more ranks)"
         start = index
         while index + 1 < len(ordered) and ordered[index + 1] == ordered[index] + 1:
             index += 1
@@ -543,7 +838,7 @@ def _describe(value: object) -> str:
     if isinstance(value, bool):
         return f"a boolean ({'true' if value else 'false'})"
     if isinstance(value, int):
-        return f"an integer ({value})"
+        return f"an integer ({_shown(value)})"
     if isinstance(value, float):
         return f"a number ({value!r})"
     if isinstance(value, str):
@@ -560,7 +855,14 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters, for messages that quote something of unknown length."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _suggestion(key: str, allowed: Collection[str]) -> str:
+    if len(key) > 100:  # no known name is that long; difflib's cost grows with the length
+        return ""
     close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -657,15 +959,19 @@ class _Section:
         if not _is_number(value):
             self.fail(key, f"must be a number, got {_describe(value)}")
             return None
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past what a float holds (over 10**308)
+            self.fail(key, f"must be a number a float can hold, got {_shown(value)}")
+            return None
         if above is not None and number <= above:
-            self.fail(key, f"must be greater than {above:g}, got {value!r}")
+            self.fail(key, f"must be greater than {above:g}, got {_shown(value)}")
             return None
         if minimum is not None and number < minimum:
-            self.fail(key, f"must be at least {minimum:g}, got {value!r}")
+            self.fail(key, f"must be at least {minimum:g}, got {_shown(value)}")
             return None
         if maximum is not None and number > maximum:
-            self.fail(key, f"must be at most {maximum:g}, got {value!r}")
+            self.fail(key, f"must be at most {maximum:g}, got {_shown(value)}")
             return None
         return number
 
@@ -703,7 +1009,8 @@ class _Section:
         if choices is not None:
             if value not in choices:
                 self.fail(
-                    key, f"must be one of {', '.join(choices)}; got {value!r}{_suggestion(value, choices)}"
+                    key,
+                    f"must be one of {', '.join(choices)}; got {_shown(value)}{_suggestion(value, choices)}",
                 )
                 return None
             return value
@@ -714,7 +1021,7 @@ class _Section:
             self.fail(key, f"must be at most {max_length} characters, got {len(value)}")
             return None
         if pattern is not None and pattern.fullmatch(value) is None:
-            self.fail(key, f"{pattern_hint}; got {value!r}")
+            self.fail(key, f"{pattern_hint}; got {_shown(value)}")
             return None
         return value
 
@@ -754,9 +1061,9 @@ class _Section:
             if not isinstance(item, str) or not item:
                 self.problems.add(item_path, f"must be a non-empty string, got {_describe(item)}")
             elif item_pattern is not None and item_pattern.fullmatch(item) is None:
-                self.problems.add(item_path, f"{item_hint}; got {item!r}")
+                self.problems.add(item_path, f"{item_hint}; got {_shown(item)}")
             elif item in seen:
-                self.problems.add(item_path, f"{item!r} is listed twice")
+                self.problems.add(item_path, f"{_shown(item)} is listed twice")
             else:
                 seen.add(item)
                 good.append((position, item))
@@ -771,10 +1078,13 @@ def _check_integer(
         return None
     assert isinstance(value, int)
     if minimum is not None and value < minimum:
-        section.fail(key, f"must be at least {minimum}, got {value}")
+        section.fail(key, f"must be at least {minimum}, got {_shown(value)}")
         return None
-    if maximum is not None and value > maximum:
-        section.fail(key, f"must be at most {maximum}, got {value}")
+    # Unless told otherwise, what a 32-bit database column holds: 2**64 is a 400 here, not a 500
+    # from PostgreSQL later.
+    ceiling = INTEGER_MAX if maximum is None else maximum
+    if value > ceiling:
+        section.fail(key, f"must be at most {ceiling}, got {_shown(value)}")
         return None
     return value
 
@@ -950,7 +1260,7 @@ def _check_references(
         if name == draft.name:
             problems.add(path, "a component cannot depend on itself")
         elif name not in by_name:
-            problems.add(path, f"unknown component {name!r}{_suggestion(name, by_name)}")
+            problems.add(path, f"unknown component {_shown(name)}{_suggestion(name, by_name)}")
     if not draft.colocated_with:
         return
     if not draft.uses_placement:
@@ -965,16 +1275,19 @@ def _check_references(
         if name == draft.name:
             problems.add(path, "a component cannot be colocated with itself")
         elif other is None:
-            problems.add(path, f"unknown component {name!r}{_suggestion(name, by_name)}")
+            problems.add(path, f"unknown component {_shown(name)}{_suggestion(name, by_name)}")
         elif not other.uses_placement:
-            problems.add(path, f"component {name!r} has a worker count, not an explicit placement to share")
+            problems.add(
+                path, f"component {_shown(name)} has a worker count, not an explicit placement to share"
+            )
         elif (
             draft.placement is not None
             and other.placement is not None
             and not set(draft.placement) & set(other.placement)
         ):
             problems.add(
-                path, f"shares no GPU with component {name!r}; colocated components share placement ranks"
+                path,
+                f"shares no GPU with component {_shown(name)}; colocated components share placement ranks",
             )
 
 
@@ -1087,7 +1400,7 @@ def _check_policy(
     if name not in registry.names:
         problems.add(
             name_path,
-            f"unknown policy {name!r}{_suggestion(name, registry.names)} (known: {', '.join(registry.names)})",
+            f"unknown policy {_shown(name)}{_suggestion(name, registry.names)} (known: {', '.join(registry.names)})",
         )
         return
     if params is None:
@@ -1118,6 +1431,38 @@ def _check_policy(
     # together for constraints between them.
     if not any([refused({key: value}) for key, value in params.items()]):
         refused(params)
+
+
+# -- trace files (shared with jobs.rlinf) ----------------------------------------------------------
+
+
+def trace_path_problem(path: str) -> str | None:
+    """What is wrong with ``workload.trace`` as far as the control plane can tell, or None.
+
+    A trace names a file under the trace directory of the agents that run the job (their
+    ``--trace-dir``): a relative path that never climbs out of it. Each agent checks again where
+    the path really leads (symbolic links included) before it opens anything."""
+    if "\x00" in path:
+        return "must not contain a NUL byte"
+    if path.startswith(("/", "\\")):
+        return (
+            f"must be a path relative to the agents' trace directory (--trace-dir), not an absolute path; "
+            f"got {_shown(path)}"
+        )
+    if ".." in re.split(r"[/\\]", path):
+        return f"must not climb out of the agents' trace directory with '..'; got {_shown(path)}"
+    return None
+
+
+def check_trace(section: _Section, trace: str | None, key: str = "trace") -> str | None:
+    """``trace`` when it may name a trace file, else None with the problem reported at ``key``."""
+    if trace is None:
+        return None
+    problem = trace_path_problem(trace)
+    if problem is not None:
+        section.fail(key, problem)
+        return None
+    return trace
 
 
 # -- dynarl's own format --------------------------------------------------------------------------
@@ -1201,7 +1546,7 @@ def _read_workload(section: _Section) -> WorkloadSpec | None:
     samples = section.integer("samples_per_prompt", 8, minimum=1)
     max_new_tokens = section.integer("max_new_tokens", 8192, minimum=1)
     staleness = section.integer("staleness", 0, minimum=0)
-    trace = section.string("trace", None, nullable=True, max_length=500)
+    trace = check_trace(section, section.string("trace", None, nullable=True, max_length=500))
     trace_ok = not section.has("trace") or section.raw("trace") is None or trace is not None
     max_turns: int | None = None
     tool_latency_s: float | None = None
@@ -1332,8 +1677,10 @@ def _read_valid_dp(section: _Section) -> tuple[int, ...] | None:
     ok = True
     for position, item in enumerate(items):
         path = f"{section.path_of('valid_dp')}[{position}]"
-        if not _is_int(item) or item < 1:
-            section.problems.add(path, f"must be a positive integer, got {_describe(item)}")
+        if not _is_int(item) or not 1 <= item <= INTEGER_MAX:
+            section.problems.add(
+                path, f"must be a positive integer up to {INTEGER_MAX}, got {_describe(item)}"
+            )
             ok = False
         elif item in sizes:
             section.problems.add(path, f"{item} is listed twice")

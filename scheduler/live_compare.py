@@ -126,16 +126,17 @@ def load_template(path: Path | None, hardware: str, gpus: int) -> dict[str, Any]
 
 
 def spec_for(
-    template: Mapping[str, Any], policy: str, name: str, iterations: int, trace: Path
+    template: Mapping[str, Any], policy: str, name: str, iterations: int, trace: str
 ) -> dict[str, Any]:
-    """The template with only its name, policy, iteration count and episodes set. The template's
-    policy parameters stay with its own policy; another policy runs with its defaults."""
+    """The template with only its name, policy, iteration count and episodes set (``trace``, a
+    path under the agents' --trace-dir). The template's policy parameters stay with its own
+    policy; another policy runs with its defaults."""
     spec: dict[str, Any] = json.loads(json.dumps(template))
     params = spec.get("policy", {}).get("params", {}) if spec.get("policy", {}).get("name") == policy else {}
     spec["name"] = name
     spec["backend"] = "sim"
     spec["policy"] = {"name": policy, "params": params}
-    spec["workload"] = {**spec.get("workload", {}), "iterations": iterations, "trace": str(trace)}
+    spec["workload"] = {**spec.get("workload", {}), "iterations": iterations, "trace": trace}
     return spec
 
 
@@ -160,8 +161,8 @@ def compare(
 ) -> int:
     tag = f"cmp{secrets.token_hex(3)}"
     workdir = Path(tempfile.mkdtemp(prefix=f"dynarl-{tag}-"))
-    trace = workdir / "episodes.jsonl"
-    samples = write_episodes(template, args.iterations, args.seed, trace)
+    trace = "episodes.jsonl"  # the agents read traces from under workdir (their --trace-dir)
+    samples = write_episodes(template, args.iterations, args.seed, workdir / trace)
     plane = ControlPlane(workdir, tag, args.servers, args.worker_concurrency)
     runs: list[PolicyRun] = []
     logged: list[str] = []
@@ -235,6 +236,7 @@ def run_policy(
         seed=args.seed,
         processes=args.agent_processes,
         label=f"agents-{policy}",
+        trace_dir=workdir,
     )
     try:
         fleet.start()

@@ -46,7 +46,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_agent_host(
-    hosts: list[str], url: str, token_file: Path, state_root: Path, options: dict[str, Any], stats_file: Path
+    hosts: list[str],
+    url: str,
+    token_file: Path,
+    state_root: Path,
+    options: dict[str, Any],
+    stats_file: Path,
+    trace_dir: Path | None = None,
 ) -> int:
     """Run one real agent daemon per host on threads until SIGTERM; then write what the
     heartbeats saw (sent at, latency, samples accepted) to ``stats_file``."""
@@ -107,6 +113,7 @@ def run_agent_host(
                 nvml=False,
                 log_level="WARNING",
                 shutdown_grace_s=5.0,
+                trace_dir=trace_dir,
             )
         )
         for host in hosts
@@ -284,8 +291,10 @@ class AgentFleet:
         seed: int,
         processes: int,
         label: str = "agents",
+        trace_dir: Path | None = None,
     ) -> None:
         self.hosts = list(hosts)
+        self.trace_dir = trace_dir  # the agents' --trace-dir
         self.url = url
         self.token_file = token_file
         self.workdir = workdir
@@ -310,6 +319,8 @@ class AgentFleet:
                 "--gpus", str(self.options["gpus"]), "--hardware", str(self.options["hardware"]),
                 "--speed", str(self.options["speed"]), "--seed", str(self.options["seed"]),
             ]  # fmt: skip
+            if self.trace_dir is not None:
+                command += ["--trace-dir", str(self.trace_dir)]
             self.running.append(
                 (subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), stats)
             )
@@ -428,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--state-root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--stats-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--hosts", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.agent_host:
         return run_agent_host(
@@ -437,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.state_root,
             {"gpus": args.gpus, "hardware": args.hardware, "speed": args.speed, "seed": args.seed},
             args.stats_file,
+            args.trace_dir,
         )
     if args.compare:
         from scheduler import live_compare

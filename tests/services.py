@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -20,6 +21,22 @@ import psutil
 from controlplane.supervise import read_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def memory_ceiling(extra_bytes: int) -> Iterator[None]:
+    """Cap this process's address space at its current size plus ``extra_bytes`` for the block:
+    code that would grow without bound (what a bug under test might do) fails with MemoryError
+    instead of taking the machine down."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    ceiling = psutil.Process().memory_info().vms + extra_bytes
+    if hard != resource.RLIM_INFINITY:
+        ceiling = min(ceiling, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (ceiling, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def free_port() -> int:

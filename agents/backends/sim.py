@@ -106,10 +106,12 @@ class SimBackend:
         background: bool | None = None,
         exit_process: Callable[[int], Any] = os._exit,
         spec_wait_s: float = SPEC_WAIT_S,
+        trace_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """``faults``: fault specs (``"fail:switch,crash:barrier@2"``); None reads DYNARL_SIM_FAULTS.
         ``background``: run the thread that keeps the simulation current (default: with a wall
-        clock yes, with a ManualClock no)."""
+        clock yes, with a ManualClock no). ``trace_dir``: the directory job traces
+        (``workload.trace``) are read from, the agent's ``--trace-dir``; None reads none."""
         # Options may arrive as text (flags, environment).
         gpus, speed, seed, sample_interval_s = int(gpus), float(speed), int(seed), float(sample_interval_s)
         if speed <= 0:
@@ -123,7 +125,12 @@ class SimBackend:
         self._clock: SimClock = clock or WallClock()
         self._wall0 = self._clock.now()
         self._sim = SimHost(
-            host, gpus=gpus, hardware=hardware, seed=seed, sample_every_s=sample_interval_s * self.speed
+            host,
+            gpus=gpus,
+            hardware=hardware,
+            seed=seed,
+            sample_every_s=sample_interval_s * self.speed,
+            trace_dir=trace_dir,
         )
         self.hardware = self._sim.hardware
         self.faults = FaultPlan(faults_from_env() if faults is None else parse_faults(faults))
@@ -143,8 +150,8 @@ class SimBackend:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> SimBackend:
         """From the agent's configuration: ``host`` (required), ``gpus``, ``hardware``, ``speed``,
-        ``seed``, ``faults``, ``sample_interval_s``."""
-        known = {"host", "gpus", "hardware", "speed", "seed", "faults", "sample_interval_s"}
+        ``seed``, ``faults``, ``sample_interval_s``, ``trace_dir``."""
+        known = {"host", "gpus", "hardware", "speed", "seed", "faults", "sample_interval_s", "trace_dir"}
         if unknown := sorted(set(config) - known):
             raise ValueError(f"unknown sim backend settings: {', '.join(unknown)}")
         if not config.get("host"):
@@ -157,6 +164,7 @@ class SimBackend:
             seed=int(config.get("seed", 0)),
             faults=config.get("faults"),
             sample_interval_s=float(config.get("sample_interval_s", DEFAULT_SAMPLE_INTERVAL_S)),
+            trace_dir=None if config.get("trace_dir") is None else str(config["trace_dir"]),
         )
 
     # -- time ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -349,6 +350,7 @@ class SimHost:
         seed: int = 0,
         sample_every_s: float = 5.0,
         max_samples: int = 20_000,
+        trace_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if gpus < 0:
             raise ValueError("gpus must be >= 0")
@@ -357,6 +359,7 @@ class SimHost:
         self.name = name
         self.hardware = hardware_spec(hardware)
         self.seed = seed
+        self.trace_dir = trace_dir  # the only place job traces are read from (None: nowhere)
         self.devices = [HostDevice(index=i, hardware=self.hardware) for i in range(gpus)]
         self.workers: dict[str, HostWorker] = {}
         self.jobs: dict[int, HostJob] = {}
@@ -424,7 +427,7 @@ class SimHost:
             spec = view.spec if view is not None else self.specs.get(job_id)
         if spec is None:
             raise HostError(f"job {job_id} is unknown on {self.name} and no spec came with the command")
-        job = HostJob(model=JobModel(job_id, spec, seed=self.seed))
+        job = HostJob(model=JobModel(job_id, spec, seed=self.seed, trace_dir=self.trace_dir))
         self.jobs[job_id] = job
         self.specs.pop(job_id, None)
         view = self.pending_views.pop(job_id, None)

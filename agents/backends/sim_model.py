@@ -15,11 +15,13 @@ trainer's FLOPs.
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agents.backends.traces import TraceRefused, resolve_trace_path
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.sim.hardware import HARDWARE, MODELS, HardwareSpec, ModelSpec
 from scheduler.core.sim.perf import EngineCoeffs, PerfModel
@@ -89,9 +91,17 @@ def nearest_model(params_b: float) -> ModelSpec:
 
 
 class JobModel:
-    """One job as the agent simulates it."""
+    """One job as the agent simulates it. A trace the spec names is read from under ``trace_dir``
+    only (``agents.backends.traces``); without one, a spec naming a trace is refused."""
 
-    def __init__(self, job_id: int, spec: Mapping[str, Any], *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        job_id: int,
+        spec: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        trace_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not isinstance(spec, Mapping):
             raise SpecProblem("spec: must be an object")
         self.job_id = job_id
@@ -162,8 +172,12 @@ class JobModel:
         self._file_batches: list[list[TraceRecord]] | None = None
         if self.trace_path is not None:
             try:
-                records = read_trace(self.trace_path)
-            except (OSError, ValueError) as exc:
+                path = resolve_trace_path(self.trace_path, trace_dir)
+            except TraceRefused as exc:
+                raise SpecProblem(f"spec.workload.trace: {exc}") from exc
+            try:
+                records = read_trace(path)
+            except (OSError, ValueError) as exc:  # a file of the trace directory: its problem may be told
                 raise SpecProblem(f"spec.workload.trace: cannot read {self.trace_path!r}: {exc}") from exc
             self._file_batches = group_by_iteration(records, self.samples_per_iteration)
         self.typical_context = max(1.0, decode_weighted_context(self.records(0)))

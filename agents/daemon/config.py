@@ -47,6 +47,7 @@ class AgentConfig:
     max_buffered_samples: int = 100_000
     nvml: bool = True
     log_level: str = "INFO"
+    trace_dir: Path | None = None  # job traces (workload.trace) are read from under it only; None: none
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--host", help="node name to register as (env DYNARL_HOST; default this machine's host name)")
     add("--state-dir", help="node token and command journal (env DYNARL_STATE_DIR)")
+    add(
+        "--trace-dir",
+        help="the directory job traces (workload.trace, relative paths) are read from; a trace "
+        "leading outside it is refused (env DYNARL_TRACE_DIR; default: none, no trace is read)",
+    )
     add(
         "--label",
         action="append",
@@ -211,6 +217,10 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
 
     state_raw = _pick(args.state_dir, environ, "DYNARL_STATE_DIR")
     state_dir = Path(state_raw).expanduser() if state_raw else default_state_dir(environ)
+    trace_raw = _pick(args.trace_dir, environ, "DYNARL_TRACE_DIR")
+    trace_dir = Path(trace_raw).expanduser() if trace_raw else None
+    if trace_dir is not None and not trace_dir.is_dir():
+        problems.append(f"--trace-dir / DYNARL_TRACE_DIR: {str(trace_dir)!r} is not a directory")
 
     interval = _number(
         _pick(args.heartbeat_interval, environ, "DYNARL_HEARTBEAT_INTERVAL_S"),
@@ -279,6 +289,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         max_buffered_samples=int(buffered),
         nvml=nvml,
         log_level=log_level,
+        trace_dir=trace_dir,
     )
 
 

@@ -186,7 +186,10 @@ class Agent:
         try:
             try:
                 backend = load_backend(
-                    self.config.backend, host=self.config.host, options=self.config.backend_options
+                    self.config.backend,
+                    host=self.config.host,
+                    options=self.config.backend_options,
+                    trace_dir=self.config.trace_dir,
                 )
                 inventory = list(backend.inventory())
                 offers = offered_backends(backend)

@@ -3,7 +3,8 @@
 A registry entry names a callable as ``"module:attribute"``; it is imported only when chosen, so a
 host without Ray never imports it. ``--backend`` also takes ``module:attribute`` directly, for a
 backend that lives outside this package. The callable gets the backend options as keyword
-arguments, and ``host=<node name>`` when it takes a ``host`` parameter.
+arguments, ``host=<node name>`` when it takes a ``host`` parameter, and ``trace_dir=<the agent's
+--trace-dir>`` when one is set and it takes a ``trace_dir`` parameter.
 
 A backend runs jobs of one or more job backends (a job spec's ``backend``): those named by its
 ``offers`` attribute when it has one, else its ``name`` (the sim backend offers ``sim``, the ray
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 from agents.backends.base import ExecutionBackend
@@ -75,12 +77,16 @@ def offered_backends(backend: ExecutionBackend) -> tuple[str, ...]:
     return tuple(dict.fromkeys(offers))
 
 
-def load_backend(name: str, *, host: str, options: Mapping[str, Any]) -> ExecutionBackend:
+def load_backend(
+    name: str, *, host: str, options: Mapping[str, Any], trace_dir: Path | None = None
+) -> ExecutionBackend:
     """Build the backend ``name`` (a registry name or ``module:callable``) with ``options``."""
     factory = _resolve(BACKENDS.get(name, name))
     kwargs = dict(options)
     if "host" not in kwargs and _accepts(factory, "host"):
         kwargs["host"] = host
+    if trace_dir is not None and "trace_dir" not in kwargs and _accepts(factory, "trace_dir"):
+        kwargs["trace_dir"] = str(trace_dir)
     try:
         backend = factory(**kwargs)
     except (TypeError, ValueError) as exc:

@@ -4,10 +4,10 @@
                "fields": [{"path": "components[1].parallelism.tp", "message": "..."}],
                "request_id": "..."}}
 
-``exception_handler`` is DRF's EXCEPTION_HANDLER: it maps DRF and Django exceptions and the
-domain exceptions of the services (bad specs, refused submissions, idempotency conflicts, illegal
-state transitions, refused manual migrations) onto that shape, and turns anything unexpected into
-a 500 that names the request id but leaks no traceback. ``api_not_found`` answers unknown /api/
+``exception_handler`` is DRF's EXCEPTION_HANDLER: it maps DRF and Django exceptions (a body over
+its limit is a 413) and the domain exceptions of the services (bad specs, refused submissions,
+idempotency conflicts, illegal state transitions, refused manual migrations) onto that shape, and
+turns anything unexpected into a 500 that names the request id but leaks no traceback. ``api_not_found`` answers unknown /api/
 URLs with the same shape.
 """
 
@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.core.exceptions import ObjectDoesNotExist
+from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist, RequestDataTooBig
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404, HttpRequest, JsonResponse
 from django.urls import Resolver404, resolve
@@ -30,6 +31,7 @@ from rest_framework.settings import api_settings
 from rest_framework.views import set_rollback
 
 from controlplane.audit import current_request_id
+from controlplane.bodies import BodyTooLarge
 from controlplane.transitions import IllegalTransition
 from jobs.services import IdempotencyConflict, SubmissionRefused
 from jobs.spec import SpecError
@@ -146,6 +148,16 @@ def api_error_for(exc: BaseException) -> ApiError | None:
         return _from_api_exception(exceptions.PermissionDenied(*exc.args))
     if isinstance(exc, exceptions.APIException):
         return _from_api_exception(exc)
+    if isinstance(exc, BodyTooLarge):
+        return ApiError(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, "payload_too_large", str(exc))
+    if isinstance(exc, RequestDataTooBig):
+        # What request.body raises past Django's limit for the endpoints that read it.
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return ApiError(
+            status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+            "payload_too_large",
+            f"the request body is over {limit} bytes, the most this endpoint takes (DATA_UPLOAD_MAX_MEMORY_SIZE)",
+        )
     if isinstance(exc, SpecError):
         fields = tuple(FieldProblem(e.path, e.message) for e in exc.errors)
         count = len(fields)

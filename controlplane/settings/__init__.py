@@ -15,6 +15,10 @@ Variables (all optional unless noted):
                    supervisor keeps their states, which /healthz then reports (unset: no such check)
   LOG_LEVEL        default INFO
   METRICS_TOKEN    when set, /metrics requires "Authorization: Bearer <METRICS_TOKEN>"
+  JOB_SPEC_MAX_BYTES    largest job-spec submission body, YAML or JSON (default 1048576); over it, 413
+  JOB_SPEC_MAX_DEPTH    deepest nesting of a spec document (default 64)
+  JOB_SPEC_MAX_NODES    most values (keys, items, scalars; YAML aliases counted expanded) (default 20000)
+  JOB_SPEC_MAX_ALIASES  most YAML alias uses in a spec (default 200)
   ALERT_*          anomaly alert thresholds (see the Monitoring block below)
 """
 
@@ -218,6 +222,19 @@ TELEMETRY_BUCKET_S = env_float("TELEMETRY_BUCKET_S", 10.0)  # one TelemetrySampl
 TELEMETRY_RETENTION_HOURS = env_float("TELEMETRY_RETENTION_HOURS", 72.0)  # older rows are deleted
 TELEMETRY_LIVE_WINDOW_S = env_float("TELEMETRY_LIVE_WINDOW_S", 120.0)  # raw samples kept in Redis per job
 TELEMETRY_LIVE_MAX_SAMPLES = env_int("TELEMETRY_LIVE_MAX_SAMPLES", 200_000)  # hard cap per job in Redis
+
+# --- Job specs: bounds checked while a submitted spec is read, before anything else -----------
+# (jobs.spec.DocumentLimits; docs/job-spec.md#limits). The body limit is the same for every content
+# type and is answered 413; the others are a 400 naming the limit.
+JOB_SPEC_MAX_BYTES = env_int("JOB_SPEC_MAX_BYTES", 1024 * 1024)
+JOB_SPEC_MAX_DEPTH = env_int("JOB_SPEC_MAX_DEPTH", 64)
+JOB_SPEC_MAX_NODES = env_int("JOB_SPEC_MAX_NODES", 20_000)
+JOB_SPEC_MAX_ALIASES = env_int("JOB_SPEC_MAX_ALIASES", 200)
+if min(JOB_SPEC_MAX_BYTES, JOB_SPEC_MAX_DEPTH, JOB_SPEC_MAX_NODES) < 1 or JOB_SPEC_MAX_ALIASES < 0:
+    raise ImproperlyConfigured(
+        "JOB_SPEC_MAX_BYTES, JOB_SPEC_MAX_DEPTH and JOB_SPEC_MAX_NODES must be at least 1, "
+        "JOB_SPEC_MAX_ALIASES at least 0"
+    )
 
 # --- Monitoring: /metrics and anomaly alerts ------------------------------------------------------
 METRICS_TOKEN = env_optional("METRICS_TOKEN")  # when set, /metrics wants "Authorization: Bearer <it>"

@@ -97,3 +97,14 @@ def test_backend_options_as_a_json_object() -> None:
 def test_a_missing_url_is_refused() -> None:
     with pytest.raises(ConfigError, match="control plane's URL is required"):
         parse_config([], {"DYNARL_HOST": "gpu-7"})
+
+
+def test_the_trace_directory_is_none_unless_set_and_must_be_a_directory(tmp_path: Path) -> None:
+    assert parse_config([], BASE).trace_dir is None  # no trace file is read by default
+    assert parse_config([], {**BASE, "DYNARL_TRACE_DIR": str(tmp_path)}).trace_dir == tmp_path
+    flag = parse_config(["--trace-dir", str(tmp_path)], {**BASE, "DYNARL_TRACE_DIR": "/elsewhere"})
+    assert flag.trace_dir == tmp_path
+    (tmp_path / "file").write_text("")
+    for missing in (tmp_path / "nowhere", tmp_path / "file"):
+        with pytest.raises(ConfigError, match=r"--trace-dir / DYNARL_TRACE_DIR: .* is not a directory"):
+            parse_config(["--trace-dir", str(missing)], BASE)

@@ -8,11 +8,24 @@ and the REST layer pass plain mappings; anything unknown or out of range raises
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 ParamValue = float | int | bool
+
+# Values quoted in errors are cut short: a spec may give a parameter a structure that a YAML alias
+# chain repeats a billion times, and its full repr() would never end.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlong = 40
+_SHORT.maxlevel = 2
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+def _shown(value: object) -> str:
+    return _SHORT.repr(value)
 
 
 class PolicyParamError(ValueError):
@@ -40,27 +53,30 @@ class ParamSpec:
         expected = type(self.default)
         if expected is bool:
             if not isinstance(value, bool):
-                raise self._error(policy, f"must be true or false, got {value!r}")
+                raise self._error(policy, f"must be true or false, got {_shown(value)}")
             return value
         # bool is an int subclass; a flag where a number belongs is a spec mistake.
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self._error(policy, f"must be a number, got {value!r}")
+            raise self._error(policy, f"must be a number, got {_shown(value)}")
         number: int | float
         if expected is int:
             if isinstance(value, float) and not value.is_integer():
-                raise self._error(policy, f"must be an integer, got {value!r}")
+                raise self._error(policy, f"must be an integer, got {_shown(value)}")
             number = int(value)
         else:
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer past 10**308
+                raise self._error(policy, f"must be finite, got {_shown(value)}") from None
             if not math.isfinite(number):
-                raise self._error(policy, f"must be finite, got {value!r}")
+                raise self._error(policy, f"must be finite, got {_shown(value)}")
         if self.minimum is not None:
             if self.exclusive_minimum and number <= self.minimum:
-                raise self._error(policy, f"must be > {self.minimum}, got {value!r}")
+                raise self._error(policy, f"must be > {self.minimum}, got {_shown(value)}")
             if number < self.minimum:
-                raise self._error(policy, f"must be >= {self.minimum}, got {value!r}")
+                raise self._error(policy, f"must be >= {self.minimum}, got {_shown(value)}")
         if self.maximum is not None and number > self.maximum:
-            raise self._error(policy, f"must be <= {self.maximum}, got {value!r}")
+            raise self._error(policy, f"must be <= {self.maximum}, got {_shown(value)}")
         return number
 
     def _error(self, policy: str, message: str) -> PolicyParamError:
@@ -87,7 +103,9 @@ def resolve_params(
         spec = by_name.get(name)
         if spec is None:
             known = ", ".join(sorted(by_name)) or "none"
-            raise PolicyParamError(name, f"policy {policy!r}: unknown parameter {name!r} (known: {known})")
+            raise PolicyParamError(
+                name, f"policy {policy!r}: unknown parameter {_shown(name)} (known: {known})"
+            )
         resolved[name] = spec.coerce(policy, value)
     return resolved
 
