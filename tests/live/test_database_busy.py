@@ -61,7 +61,9 @@ class StormRole:
     def set_limit(self, limit: int) -> None:
         with _superuser() as conn:
             conn.execute(
-                sql.SQL("ALTER ROLE {} CONNECTION LIMIT {}").format(sql.Identifier(self.name), sql.Literal(limit))
+                sql.SQL("ALTER ROLE {} CONNECTION LIMIT {}").format(
+                    sql.Identifier(self.name), sql.Literal(limit)
+                )
             )
         self.limit = limit
 
@@ -110,7 +112,9 @@ def storm_role(request: pytest.FixtureRequest) -> Iterator[StormRole]:
         conn.execute(
             sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {}").format(ident)
         )
-        conn.execute(sql.SQL("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO {}").format(ident))
+        conn.execute(
+            sql.SQL("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO {}").format(ident)
+        )
     try:
         yield role
     finally:
@@ -155,9 +159,7 @@ class Answer:
     body: Any
 
 
-def call(
-    url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None
-) -> Answer:
+def call(url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None) -> Answer:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
@@ -186,9 +188,7 @@ def test_a_storm_of_submissions_gets_no_server_error_and_writes_every_job_whole(
     make_cluster({f"storm-node-{i}": ("H100", 8) for i in range(4)})
     operator = make_user("storm-operator", "operator")
     token = ApiToken.issue(operator, "storm")[1]
-    server = start_server(
-        server_env(service_env, storm_role, DB_POOL_MAX_SIZE="8", DB_POOL_TIMEOUT_S="20")
-    )
+    server = start_server(server_env(service_env, storm_role, DB_POOL_MAX_SIZE="8", DB_POOL_TIMEOUT_S="20"))
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
     def submit(i: int) -> Answer:
@@ -207,9 +207,11 @@ def test_a_storm_of_submissions_gets_no_server_error_and_writes_every_job_whole(
         for i, a in answers.items()
         if a.status not in (200, 201) and not is_busy_answer(a)
     }
-    assert not failures, f"{len(failures)} answers neither accepted nor 503-with-Retry-After: " + str(
-        dict(list(failures.items())[:5])
-    ) + f"\n{server.log_text()[-5000:]}"
+    assert not failures, (
+        f"{len(failures)} answers neither accepted nor 503-with-Retry-After: "
+        + str(dict(list(failures.items())[:5]))
+        + f"\n{server.log_text()[-5000:]}"
+    )
 
     # A client that honours Retry-After gets every submission in, once (same idempotency key).
     for i, answer in answers.items():
@@ -238,7 +240,10 @@ def test_a_storm_of_submissions_gets_no_server_error_and_writes_every_job_whole(
 @pytest.mark.parametrize("storm_role", [0], indirect=True)  # PostgreSQL refuses every connection
 @pytest.mark.parametrize("pool_size", ["4", "0"], ids=["pooled", "unpooled"])
 def test_requests_that_get_no_connection_are_answered_503_with_retry_after(
-    storm_role: StormRole, service_env: dict[str, str], start_server: Callable[..., LiveServer], pool_size: str
+    storm_role: StormRole,
+    service_env: dict[str, str],
+    start_server: Callable[..., LiveServer],
+    pool_size: str,
 ) -> None:
     """Pooled, the wait for a connection times out (PoolTimeout); unpooled, the server's refusal
     itself comes back. Either way: API, agent protocol, pages and /metrics answer 503."""
@@ -247,7 +252,9 @@ def test_requests_that_get_no_connection_are_answered_503_with_retry_after(
     browser = Client()
     browser.force_login(operator)  # a session row the server will not be able to read
     session = browser.cookies["sessionid"].value
-    server = start_server(server_env(service_env, storm_role, DB_POOL_MAX_SIZE=pool_size, DB_POOL_TIMEOUT_S="1"))
+    server = start_server(
+        server_env(service_env, storm_role, DB_POOL_MAX_SIZE=pool_size, DB_POOL_TIMEOUT_S="1")
+    )
     bearer = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
     api_get = call(f"{server.url}/api/v1/jobs/", headers=bearer)
