@@ -30,9 +30,7 @@ MAP_STYLES = ".maplibregl-map"
 
 def violations(page: Page) -> list[str]:
     found: list[str] = page.evaluate("window.__cspViolations || []")
-    return [
-        v for v in found if not (v.startswith(EXPECTED) and "plotly.min.js" in v and MAP_STYLES in v)
-    ]
+    return [v for v in found if not (v.startswith(EXPECTED) and "plotly.min.js" in v and MAP_STYLES in v)]
 
 
 def test_the_dashboard_runs_under_its_content_security_policy(live_stack: LiveStack, login: Any) -> None:
