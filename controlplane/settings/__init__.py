@@ -154,7 +154,9 @@ DB_POOL_MAX_SIZE = env_int("DB_POOL_MAX_SIZE", 10)
 DB_POOL_MIN_SIZE = env_int("DB_POOL_MIN_SIZE", 0)
 DB_POOL_TIMEOUT_S = env_float("DB_POOL_TIMEOUT_S", 10.0)
 DB_BUSY_RETRY_AFTER_S = env_int("DB_BUSY_RETRY_AFTER_S", 5)
-if DB_POOL_MAX_SIZE < 0 or not 0 <= DB_POOL_MIN_SIZE <= max(DB_POOL_MAX_SIZE, 0):
+if DB_POOL_MAX_SIZE < 0:
+    raise ImproperlyConfigured("DB_POOL_MAX_SIZE must be 0 (no pool) or more")
+if not 0 <= DB_POOL_MIN_SIZE <= DB_POOL_MAX_SIZE:
     raise ImproperlyConfigured("DB_POOL_MIN_SIZE must be between 0 and DB_POOL_MAX_SIZE")
 if DB_POOL_TIMEOUT_S <= 0 or DB_BUSY_RETRY_AFTER_S < 1:
     raise ImproperlyConfigured("DB_POOL_TIMEOUT_S must be positive and DB_BUSY_RETRY_AFTER_S at least 1")
