@@ -4,9 +4,9 @@ Plain async Django views speaking JSON, not DRF. The command fetch is a long-pol
 waiting agents must cost sockets, not threads. (While MIDDLEWARE holds sync-only middleware,
 RequestIdMiddleware and WhiteNoise today, Django still parks one idle thread per open request to
 run it; making those async-capable removes that.) The database work of every view runs on a small
-pool of long-lived threads (``AGENT_DB_THREADS``) that keep their connections: under ASGI a sync
-view gets a new thread per request, hence a new PostgreSQL connection per heartbeat, which alone
-would cost more than the ingest itself at a thousand GPUs. Views only authenticate, decode and
+pool of long-lived threads (``AGENT_DB_THREADS``), which take a connection from the process's
+pool for each call and hand it back after: at most that many of the pool's connections go to
+agents, so heartbeats cannot starve the dashboard and the API. Views only authenticate, decode and
 encode; the work is in ``agents.services``. Errors use the API's one shape:
 ``{"error": {"status", "code", "message", "fields": [{"path", "message"}], "request_id"}}``.
 """
@@ -34,6 +34,7 @@ from agents.auth import AgentAuthError, authenticate_node, bootstrap_token
 from agents.models import AgentCommand, Device, Node
 from controlplane.audit import current_request_id
 from controlplane.bodies import BodyTooLarge, read_limited
+from controlplane.dbbusy import busy_message, is_database_busy, retry_after_s
 from controlplane.transitions import IllegalTransition
 from scheduler import progress
 from scheduler.services.migrations import StepNotForNode, StepNotFound
@@ -64,9 +65,13 @@ def _db_executor() -> ThreadPoolExecutor | None:
 
 
 def _on_fresh_connection(func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    # What Django does at each request's start: drop a connection that broke or grew too old.
+    # What Django does at a request's start and end: drop a connection that broke or grew too
+    # old; with the connection pool (CONN_MAX_AGE=0) the end hands it back for other threads.
     close_old_connections()
-    return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        close_old_connections()
 
 
 async def run_db(func: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -114,6 +119,10 @@ def _error_for(exc: Exception) -> JsonResponse | None:
         return error_response(409, "conflict", str(exc))
     if isinstance(exc, redis.RedisError):
         return error_response(503, "unavailable", "the telemetry store is unavailable; retry with backoff")
+    if is_database_busy(exc):
+        response = error_response(503, "database_busy", busy_message())
+        response["Retry-After"] = str(retry_after_s())
+        return response
     return None
 
 

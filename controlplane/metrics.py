@@ -37,7 +37,9 @@ Metrics (all prefixed ``dynarl_``):
 ``alerts_open{kind}`` (gauge)
     Open anomaly alerts by kind, every kind present.
 
-Access: anonymous unless ``METRICS_TOKEN`` is set, then ``Authorization: Bearer <token>``.
+Access: only from ``METRICS_ALLOWED_IPS`` (the client address as ``TRUSTED_PROXIES`` lets it be
+known), and with ``Authorization: Bearer <METRICS_TOKEN>`` when a token is set. By default, without
+a token, that is this machine only (loopback); with a token, any address that presents it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from agents.models import Device, Node, NodeStatus
 from controlplane.api.errors import error_body
+from controlplane.net import address_in, client_ip
 from jobs.models import Job, JobState
 from scheduler.models import (
     OPEN_MIGRATION_STATES,
@@ -264,6 +267,11 @@ registry = CollectorRegistry(auto_describe=False)
 registry.register(ControlPlaneCollector())
 
 
+def _address_allowed(request: HttpRequest) -> bool:
+    allowed: list[str] = settings.METRICS_ALLOWED_IPS
+    return not allowed or address_in(client_ip(request), allowed)
+
+
 def _authorised(request: HttpRequest) -> bool:
     expected: str | None = settings.METRICS_TOKEN
     if not expected:
@@ -274,6 +282,10 @@ def _authorised(request: HttpRequest) -> bool:
 
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
+    if not _address_allowed(request):
+        address = client_ip(request) or "a Unix socket"
+        message = f"/metrics is not served to {address}; its address must be in METRICS_ALLOWED_IPS"
+        return JsonResponse(error_body(403, "permission_denied", message), status=403)
     if not _authorised(request):
         body = error_body(401, "not_authenticated", "send Authorization: Bearer <METRICS_TOKEN>")
         response = JsonResponse(body, status=401)

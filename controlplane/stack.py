@@ -57,7 +57,7 @@ def build_processes(env: dict[str, str], host: str, port: int, demo_nodes: int) 
     python = sys.executable
     data_dir = env["DYNARL_DATA_DIR"]
     processes = {
-        "web": f"{python} -m daphne -b {host} -p {port} --proxy-headers controlplane.asgi:application",
+        "web": f"{python} -m daphne -b {host} -p {port} controlplane.asgi:application",
         "worker": f"{python} -m celery -A controlplane worker --loglevel WARNING --concurrency 2 "
         f"--hostname worker@%h",
         "beat": f"{python} -m celery -A controlplane beat --loglevel WARNING "

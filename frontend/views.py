@@ -4,9 +4,11 @@ WebSocket endpoints, so the pages show exactly what an API client sees."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from axes.helpers import get_client_username, get_cool_off
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -79,3 +81,32 @@ def spec_lines(request: HttpRequest) -> JsonResponse:
     if not isinstance(text, str):
         return JsonResponse({"error": {"status": 400, "message": "spec must be text"}}, status=400)
     return JsonResponse({"lines": error_lines(text, problems, limits=spec_limits())})
+
+
+def _duration(delta: timedelta) -> str:
+    """``timedelta(minutes=15)`` -> "15 minutes"."""
+    seconds = max(1, round(delta.total_seconds()))
+    if seconds % 3600 == 0:
+        count, unit = seconds // 3600, "hour"
+    elif seconds % 60 == 0 or seconds > 120:
+        count, unit = round(seconds / 60), "minute"
+    else:
+        count, unit = seconds, "second"
+    return f"{count} {unit}{'s' if count != 1 else ''}"
+
+
+def locked_out(
+    request: HttpRequest, original_response: HttpResponse | None = None, credentials: Any = None
+) -> HttpResponse:
+    """django-axes' answer once a username has failed too often from one address (the dashboard's
+    and the admin's login): a 429 page saying what happened, for how long, and what to do."""
+    cool_off = get_cool_off(request)
+    context = {
+        "username": get_client_username(request, credentials) or "",
+        "failure_limit": settings.AXES_FAILURE_LIMIT,
+        "retry_in": _duration(cool_off) if cool_off else None,
+    }
+    response = render(request, "frontend/locked_out.html", context, status=429)
+    if cool_off:
+        response["Retry-After"] = str(round(cool_off.total_seconds()))
+    return response

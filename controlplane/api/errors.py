@@ -6,7 +6,9 @@
 
 ``exception_handler`` is DRF's EXCEPTION_HANDLER: it maps DRF and Django exceptions (a body over
 its limit is a 413) and the domain exceptions of the services (bad specs, refused submissions,
-idempotency conflicts, illegal state transitions, refused manual migrations) onto that shape, and
+idempotency conflicts, illegal state transitions, refused manual migrations) onto that shape,
+answers a busy database (no pooled connection in time, or the server at its connection limit)
+with a 503 and ``Retry-After``, and
 turns anything unexpected into a 500 that names the request id but leaks no traceback. ``api_not_found`` answers unknown /api/
 URLs with the same shape.
 """
@@ -32,6 +34,7 @@ from rest_framework.views import set_rollback
 
 from controlplane.audit import current_request_id
 from controlplane.bodies import BodyTooLarge
+from controlplane.dbbusy import busy_message, is_database_busy, retry_after_s
 from controlplane.transitions import IllegalTransition
 from jobs.services import IdempotencyConflict, SubmissionRefused
 from jobs.spec import SpecError
@@ -184,6 +187,14 @@ def api_error_for(exc: BaseException) -> ApiError | None:
     if isinstance(exc, ManualMigrationError):
         problem = FieldProblem(exc.field, exc.message)
         return ApiError(status.HTTP_400_BAD_REQUEST, "invalid", summarise([problem], ""), (problem,))
+    if is_database_busy(exc):
+        log.warning("database busy: %s", exc)
+        return ApiError(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            "database_busy",
+            busy_message(),
+            headers={"Retry-After": str(retry_after_s())},
+        )
     return None
 
 

@@ -15,22 +15,64 @@ Variables (all optional unless noted):
                    supervisor keeps their states, which /healthz then reports (unset: no such check)
   LOG_LEVEL        default INFO
   METRICS_TOKEN    when set, /metrics requires "Authorization: Bearer <METRICS_TOKEN>"
+  METRICS_ALLOWED_IPS  comma-separated addresses/CIDRs /metrics answers (default: loopback only,
+                   127.0.0.0/8 and ::1, when METRICS_TOKEN is unset; any address when it is set);
+                   both apply when both are set
   JOB_SPEC_MAX_BYTES    largest job-spec submission body, YAML or JSON (default 1048576); over it, 413
   JOB_SPEC_MAX_DEPTH    deepest nesting of a spec document (default 64)
   JOB_SPEC_MAX_NODES    most values (keys, items, scalars; YAML aliases counted expanded) (default 20000)
   JOB_SPEC_MAX_ALIASES  most YAML alias uses in a spec (default 200)
   ALERT_*          anomaly alert thresholds (see the Monitoring block below)
+
+Database connections (each process keeps its own pool; see README "Database connections"):
+  DB_POOL_MAX_SIZE connections one process may hold at once (default 10); 0 turns pooling off
+                   (a connection per request or task, for an external pooler such as PgBouncer)
+  DB_POOL_MIN_SIZE connections a process keeps open while idle (default 0)
+  DB_POOL_TIMEOUT_S  seconds a request or task waits for a free connection (default 10); then an
+                   HTTP request is answered 503 with Retry-After and a tick is retried
+  DB_BUSY_RETRY_AFTER_S  the Retry-After (seconds) of those 503s, and the delay before a
+                   scheduling tick that found the database busy runs again (default 5)
+
+Serving behind TLS and proxies (see README "Deploying behind TLS"):
+  TRUSTED_PROXIES  comma-separated addresses/CIDRs of reverse proxies whose X-Forwarded-For and
+                   X-Forwarded-Proto are believed (default: none, so a client cannot spoof its
+                   address or scheme); the client address then is the first untrusted hop
+  DYNARL_TLS       0/1: served over HTTPS (by daphne itself or a trusted proxy); turns on HSTS and
+                   Secure session and CSRF cookies (default 0)
+  SECURE_HSTS_SECONDS  the HSTS max-age sent on HTTPS responses (default 31536000 with
+                   DYNARL_TLS=1, else 0 = no HSTS)
+  SESSION_COOKIE_SECURE, CSRF_COOKIE_SECURE  0/1, override what DYNARL_TLS implies
+  CSP_REPORT_ONLY  0/1: send the Content-Security-Policy as Report-Only (default 0: enforced)
+  CSP_REPORT_URI   where browsers report violations (default: none)
+
+Login throttling (django-axes; the dashboard's and the admin's login forms):
+  LOGIN_THROTTLE   0/1 (default 1)
+  LOGIN_FAILURE_LIMIT  failed sign-ins in a row, per username and client address, before that
+                   pair is locked out (default 5)
+  LOGIN_COOLOFF_S  seconds a lockout lasts (default 900); 0 = until an admin resets it
+                   (python manage.py axes_reset_username <name>, or the admin's Access attempts)
 """
 
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
+from csp.constants import NONCE, NONE, REPORT_SAMPLE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.settings.env import env_bool, env_float, env_int, env_list, env_optional, env_str
+from controlplane.settings.env import (
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_networks,
+    env_optional,
+    env_str,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 DATA_DIR = Path(env_str("DYNARL_DATA_DIR", str(BASE_DIR / ".dynarl")))
@@ -59,6 +101,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "csp",
+    "axes",
     "controlplane",
     "jobs",
     "scheduler",
@@ -68,6 +112,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "controlplane.audit.RequestIdMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -76,6 +121,14 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "controlplane.overload.DatabaseBusyMiddleware",
+    # Last, as django-axes asks: it turns a refused sign-in into the lockout page.
+    "axes.middleware.AxesMiddleware",
+]
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out username/address pair before any password is checked.
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "controlplane.urls"
@@ -98,15 +151,36 @@ TEMPLATES = [
     },
 ]
 
+# --- PostgreSQL: one connection pool per process ---------------------------------------------
+# Under ASGI every concurrent sync request runs in its own thread, hence wants its own connection;
+# the pool caps what one process holds (DB_POOL_MAX_SIZE) and makes the rest wait (at most
+# DB_POOL_TIMEOUT_S, then 503). Pooling excludes persistent connections (CONN_MAX_AGE=0): a
+# request or task hands its connection back to the pool when it ends.
+DB_POOL_MAX_SIZE = env_int("DB_POOL_MAX_SIZE", 10)
+DB_POOL_MIN_SIZE = env_int("DB_POOL_MIN_SIZE", 0)
+DB_POOL_TIMEOUT_S = env_float("DB_POOL_TIMEOUT_S", 10.0)
+DB_BUSY_RETRY_AFTER_S = env_int("DB_BUSY_RETRY_AFTER_S", 5)
+if DB_POOL_MAX_SIZE < 0:
+    raise ImproperlyConfigured("DB_POOL_MAX_SIZE must be 0 (no pool) or more")
+if not 0 <= DB_POOL_MIN_SIZE <= DB_POOL_MAX_SIZE:
+    raise ImproperlyConfigured("DB_POOL_MIN_SIZE must be between 0 and DB_POOL_MAX_SIZE")
+if DB_POOL_TIMEOUT_S <= 0 or DB_BUSY_RETRY_AFTER_S < 1:
+    raise ImproperlyConfigured("DB_POOL_TIMEOUT_S must be positive and DB_BUSY_RETRY_AFTER_S at least 1")
 DATABASES = {
     "default": dj_database_url.parse(
         env_str("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/dynarl"),
-        conn_max_age=60,
+        conn_max_age=0,
         conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL")
+if DB_POOL_MAX_SIZE > 0:
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": DB_POOL_MIN_SIZE,
+        "max_size": DB_POOL_MAX_SIZE,
+        "timeout": DB_POOL_TIMEOUT_S,
+    }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -238,6 +312,9 @@ if min(JOB_SPEC_MAX_BYTES, JOB_SPEC_MAX_DEPTH, JOB_SPEC_MAX_NODES) < 1 or JOB_SP
 
 # --- Monitoring: /metrics and anomaly alerts ------------------------------------------------------
 METRICS_TOKEN = env_optional("METRICS_TOKEN")  # when set, /metrics wants "Authorization: Bearer <it>"
+# Without a token, only this machine may scrape; with one, any address that presents it ([] = any).
+_metrics_default_ips = [] if METRICS_TOKEN else ["127.0.0.0/8", "::1"]
+METRICS_ALLOWED_IPS = env_networks("METRICS_ALLOWED_IPS", _metrics_default_ips) or _metrics_default_ips
 ALERT_CHECK_S = env_float("ALERT_CHECK_S", 5.0)  # beat looks for anomalies this often
 ALERT_STUCK_WINDOW_S = env_float("ALERT_STUCK_WINDOW_S", 60.0)  # a worker idle this long while ...
 ALERT_STUCK_UTILISATION = env_float("ALERT_STUCK_UTILISATION", 0.02)  # ... at or under this ("~zero") ...
@@ -316,6 +393,54 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
 }
 
-if not DEBUG:
-    SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
-    CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+# --- Serving: proxies, TLS, Content-Security-Policy ---------------------------------------------
+# X-Forwarded-For/-Proto are applied to the ASGI scope (controlplane.asgi) only when the peer is
+# one of these; everything downstream (REMOTE_ADDR, request.is_secure(), login throttling, the
+# /metrics allow-list) then sees the real client. No SECURE_PROXY_SSL_HEADER for that reason: it
+# would believe the header from anyone.
+TRUSTED_PROXIES = env_networks("TRUSTED_PROXIES", [])
+DYNARL_TLS = env_bool("DYNARL_TLS", False)
+# HSTS goes out on HTTPS responses only (SecurityMiddleware), so it never locks out a plain-HTTP dev run.
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31_536_000 if DYNARL_TLS else 0)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", DYNARL_TLS)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", DYNARL_TLS)
+
+# Scripts and styles from this server only. Plotly adds its global CSS rules to a <style> element
+# it finds by id; the pages provide that element with this response's nonce, so no
+# 'unsafe-inline' is needed. Inline style attributes are set through CSSOM (allowed) by the JS.
+# Refused (and reported once per chart page): the map library's stylesheet that plotly's full
+# bundle writes at load, used only by map traces, which the dashboard does not draw.
+_csp_directives: dict[str, list[Any]] = {
+    "default-src": [SELF],
+    "script-src": [SELF, REPORT_SAMPLE],
+    "style-src": [SELF, NONCE, REPORT_SAMPLE],
+    "img-src": [SELF, "data:"],
+    "font-src": [SELF],
+    "connect-src": [SELF],  # the REST API and the WebSockets of this origin
+    "object-src": [NONE],
+    "base-uri": [NONE],
+    "form-action": [SELF],
+    "frame-ancestors": [NONE],
+}
+_csp_report_uri = env_optional("CSP_REPORT_URI")
+if _csp_report_uri:
+    _csp_directives["report-uri"] = [_csp_report_uri]
+_csp_policy = {"DIRECTIVES": _csp_directives}
+if env_bool("CSP_REPORT_ONLY", False):
+    CONTENT_SECURITY_POLICY_REPORT_ONLY = _csp_policy
+else:
+    CONTENT_SECURITY_POLICY = _csp_policy
+
+# --- Login throttling (django-axes) ----------------------------------------------------------------
+AXES_ENABLED = env_bool("LOGIN_THROTTLE", True)
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5)
+_cooloff_s = env_float("LOGIN_COOLOFF_S", 900.0)
+AXES_COOLOFF_TIME = timedelta(seconds=_cooloff_s) if _cooloff_s > 0 else None
+# A username from one address: a stranger cannot lock the admin out from elsewhere, and one
+# address cannot guess at one account for ever.
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "controlplane.net.client_ip"
+AXES_LOCKOUT_CALLABLE = "frontend.views.locked_out"
+if AXES_FAILURE_LIMIT < 1:
+    raise ImproperlyConfigured("LOGIN_FAILURE_LIMIT must be at least 1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 from django.core.exceptions import ImproperlyConfigured
@@ -61,3 +62,17 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_networks(name: str, default: list[str]) -> list[str]:
+    """Comma-separated IP addresses or CIDR networks (``10.0.0.0/8,::1``), each checked here so a
+    typo fails at start-up instead of silently trusting or refusing nobody."""
+    items = env_list(name, default)
+    for item in items:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError as exc:
+            raise ImproperlyConfigured(
+                f"environment variable {name}: {item!r} is not an IP address or CIDR network"
+            ) from exc
+    return items

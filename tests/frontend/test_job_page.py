@@ -100,8 +100,10 @@ def test_an_operator_watches_and_steers_a_running_job(live_stack: LiveStack, log
     expect(page.locator("#util-chart .scatterlayer .trace")).to_have_count(2, timeout=LIVE_TIMEOUT_MS)
     # Live telemetry keeps extending the series.
     points_before = page.evaluate("document.getElementById('util-chart').data[0].x.length")
+    # A function, not an expression: Playwright would eval() an expression, which the page's CSP refuses.
     page.wait_for_function(
-        f"document.getElementById('util-chart').data[0].x.length > {points_before}", timeout=LIVE_TIMEOUT_MS
+        f"() => document.getElementById('util-chart').data[0].x.length > {points_before}",
+        timeout=LIVE_TIMEOUT_MS,
     )
     screenshot(page, "job-page-running")
 

@@ -171,7 +171,7 @@ def test_queue_jobs_gpus_nodes_and_alerts_follow_their_rows(client: Client) -> N
     assert value(samples, "dynarl_alerts_open", kind="worker_stuck") == 0  # cleared
 
 
-def test_metrics_are_open_without_a_token_setting(client: Client, settings: Settings) -> None:
+def test_metrics_are_open_to_this_machine_without_a_token_setting(client: Client, settings: Settings) -> None:
     settings.METRICS_TOKEN = None
     assert "dynarl_queue_length" in {name for name, _ in scrape(client)}
 
@@ -184,3 +184,30 @@ def test_metrics_token_requires_the_bearer_header(client: Client, settings: Sett
         assert response.json()["error"]["code"] == "not_authenticated"
         assert response["WWW-Authenticate"].startswith("Bearer")
     assert value(scrape(client, Authorization="Bearer scrape-secret"), "dynarl_queue_length") == 0
+
+
+def test_metrics_without_a_token_are_refused_to_other_machines(client: Client, settings: Settings) -> None:
+    """The default with no METRICS_TOKEN: loopback only (issue 11, finding 10: /metrics was open)."""
+    settings.METRICS_TOKEN = None
+    for address in ("198.51.100.9", "10.0.0.5", "::ffff:198.51.100.9"):
+        response = client.get("/metrics", REMOTE_ADDR=address)
+        assert response.status_code == 403, address
+        error = response.json()["error"]
+        assert error["code"] == "permission_denied"
+        assert address in error["message"] and "METRICS_ALLOWED_IPS" in error["message"]
+    for address in ("127.0.0.1", "127.0.0.53", "::1"):
+        assert client.get("/metrics", REMOTE_ADDR=address).status_code == 200, address
+    assert settings.METRICS_ALLOWED_IPS == ["127.0.0.0/8", "::1"]
+
+
+def test_metrics_allow_list_and_token_both_apply(client: Client, settings: Settings) -> None:
+    settings.METRICS_TOKEN = "scrape-secret"
+    settings.METRICS_ALLOWED_IPS = ["10.0.0.0/8"]
+    good = {"Authorization": "Bearer scrape-secret"}
+    assert client.get("/metrics", headers=good, REMOTE_ADDR="10.1.2.3").status_code == 200
+    assert client.get("/metrics", REMOTE_ADDR="10.1.2.3").status_code == 401  # no token
+    assert client.get("/metrics", headers=good, REMOTE_ADDR="127.0.0.1").status_code == 403
+    # A token with no allow-list: any address that presents it.
+    settings.METRICS_ALLOWED_IPS = []
+    assert client.get("/metrics", headers=good, REMOTE_ADDR="198.51.100.9").status_code == 200
+    assert client.get("/metrics", REMOTE_ADDR="198.51.100.9").status_code == 401

@@ -95,6 +95,8 @@
       if (value === null || value === undefined || value === false) continue;
       if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
       else if (key === "dataset") Object.assign(node.dataset, value);
+      // Through CSSOM: the Content-Security-Policy refuses style attributes set as markup.
+      else if (key === "style") node.style.cssText = value;
       else node.setAttribute(key, value === true ? "" : value);
     }
     for (const child of children.flat()) {
