@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import django_filters
 
-from controlplane.api.filters import ApiFilterSet, IdFilter, MultiChoiceFilter, time_range
+from controlplane.api.filters import ApiFilterSet, BooleanFilter, IdFilter, MultiChoiceFilter, time_range
 from jobs.models import Job, JobState, WorkerGroup
 
 
@@ -39,7 +39,7 @@ class WorkerGroupFilter(ApiFilterSet):
     job = IdFilter(field_name="job", label="job id")
     kind = django_filters.CharFilter(label="rollout, inference, reward, tool or actor")
     name = django_filters.CharFilter()
-    flagged = django_filters.BooleanFilter()
+    flagged = BooleanFilter()
 
     class Meta:
         model = WorkerGroup

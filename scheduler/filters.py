@@ -11,7 +11,14 @@ import re
 import django_filters
 from django.db.models import Q, QuerySet
 
-from controlplane.api.filters import ApiFilterSet, CharInFilter, IdFilter, MultiChoiceFilter, time_range
+from controlplane.api.filters import (
+    ApiFilterSet,
+    BooleanFilter,
+    CharInFilter,
+    IdFilter,
+    MultiChoiceFilter,
+    time_range,
+)
 from scheduler.models import (
     Alert,
     AlertKind,
@@ -110,9 +117,7 @@ class AlertFilter(ApiFilterSet):
     job = _job()
     node = django_filters.CharFilter(field_name="node__name", label="node name")
     kind = MultiChoiceFilter(choices=AlertKind.choices)
-    open = django_filters.BooleanFilter(
-        field_name="cleared_at", lookup_expr="isnull", label="true: not cleared yet"
-    )
+    open = BooleanFilter(field_name="cleared_at", lookup_expr="isnull", label="true: not cleared yet")
     after, before = time_range("raised_at", "raised")
 
     class Meta:

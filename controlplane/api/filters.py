@@ -78,6 +78,31 @@ class ApiFilterSet(django_filters.FilterSet):
         return type(form.__name__, (StorableQueryForm, form), {})
 
 
+class StrictBooleanField(forms.NullBooleanField):
+    """``true``/``false`` (or ``1``/``0``); blank means not given. Django's field (and its
+    select widget) would read any other value as not given, so ``?open=maybe`` listed everything."""
+
+    widget = forms.TextInput
+    VALUES: dict[str, bool] = {"true": True, "1": True, "false": False, "0": False}
+
+    def to_python(self, value: Any) -> bool | None:
+        if value is None or value == "":
+            return None
+        if isinstance(value, bool):
+            return value
+        try:
+            return self.VALUES[str(value).lower()]
+        except KeyError:
+            raise ValidationError("must be true or false", code="invalid") from None
+
+    def validate(self, value: bool | None) -> None:
+        pass
+
+
+class BooleanFilter(django_filters.BooleanFilter):
+    field_class = StrictBooleanField
+
+
 class CommaMultipleChoiceField(forms.MultipleChoiceField):
     def to_python(self, value: Any) -> list[str]:
         values: list[str] = super().to_python(value)
@@ -167,7 +192,7 @@ class DeviceFilter(ApiFilterSet):
     hardware = django_filters.CharFilter()
     job = IdFilter(field_name="worker__group__job", label="owner job id")
     group = django_filters.CharFilter(field_name="worker__group__name", label="owner group name")
-    idle = django_filters.BooleanFilter(method="only_idle", label="true: free devices on ready nodes")
+    idle = BooleanFilter(method="only_idle", label="true: free devices on ready nodes")
     ordering = django_filters.OrderingFilter(
         fields=(("uid", "uid"), ("utilisation", "utilisation"), ("reported_at", "reported_at"))
     )
@@ -176,8 +201,7 @@ class DeviceFilter(ApiFilterSet):
         model = Device
         fields: list[str] = []
 
-    def only_idle(self, queryset: QuerySet[Device], name: str, value: bool | None) -> QuerySet[Device]:
+    def only_idle(self, queryset: QuerySet[Device], name: str, value: bool) -> QuerySet[Device]:
+        # Not called without a value; ``bool`` is also what documents ``idle`` as a boolean.
         idle = Q(status=DeviceStatus.FREE, worker__isnull=True, node__status=NodeStatus.READY)
-        if value is None:
-            return queryset
         return queryset.filter(idle) if value else queryset.exclude(idle)

@@ -55,7 +55,17 @@ NO_SUCH_FORMAT = "No such format: `format` names none of the documented ones."
 
 
 class ApiAutoSchema(AutoSchema):
-    """Adds the documented error responses (in the one error shape) to every operation."""
+    """Adds the documented error responses (in the one error shape) to every operation, and says
+    of every optional query parameter that a blank value is allowed: it means the parameter was
+    not given, as django-filter, DRF's serializers and its pagination all read it (and as HTML
+    forms send it)."""
+
+    def _get_parameters(self) -> list[dict[str, Any]]:
+        parameters: list[dict[str, Any]] = super()._get_parameters()
+        for parameter in parameters:
+            if parameter["in"] == "query" and not parameter.get("required"):
+                parameter["allowEmptyValue"] = True
+        return parameters
 
     def _get_response_bodies(self, direction: Literal["request", "response"] = "response") -> dict[str, Any]:
         responses: dict[str, Any] = super()._get_response_bodies(direction)
