@@ -149,11 +149,10 @@ def streaming_response(
     export (the query itself) raises into the view and answers as an error."""
     chunks = _chunked(make_lines())
     first = next(chunks, None)
-    body: Iterator[str] | AsyncIterator[str] = _ending(
-        chunks, first=first, filename=filename, request_id=current_request_id()
+    ending = _ending(chunks, first=first, filename=filename, request_id=current_request_id())
+    body: Iterator[str] | AsyncIterator[str] = (
+        _async_chunks(ending) if isinstance(request, ASGIRequest) else ending
     )
-    if isinstance(request, ASGIRequest):
-        body = _async_chunks(body)
     response = StreamingHttpResponse(body, content_type=f"{content_type}; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     return response

@@ -61,7 +61,7 @@ class StorableQueryForm(forms.Form):
     """Checks every cleaned filter value with ``storable`` and names the parameter at fault."""
 
     def clean(self) -> dict[str, Any]:
-        cleaned: dict[str, Any] = super().clean()
+        cleaned: dict[str, Any] = super().clean() or {}
         for name, value in list(cleaned.items()):
             try:
                 cleaned[name] = storable(value)
@@ -85,7 +85,7 @@ class StrictBooleanField(forms.NullBooleanField):
     widget = forms.TextInput
     VALUES: dict[str, bool] = {"true": True, "1": True, "false": False, "0": False}
 
-    def to_python(self, value: Any) -> bool | None:
+    def to_python(self, value: Any) -> bool | None:  # type: ignore[override]  # None: not given
         if value is None or value == "":
             return None
         if isinstance(value, bool):

@@ -73,7 +73,7 @@ class ApiAutoSchema(AutoSchema):
         not_found = []
         if "{" in self.path:
             not_found.append(NOT_FOUND)
-        if self.method == "GET" and self._is_list_view() and self._get_paginator() is not None:
+        if self.method == "GET" and self._is_list_view() and self._get_paginator() is not None:  # type: ignore[no-untyped-call]
             not_found.append(NO_SUCH_PAGE)
         if len(self.map_renderers("format")) > 1:  # ``?format=`` picks one; another one is a 404
             not_found.append(NO_SUCH_FORMAT)
@@ -87,7 +87,7 @@ class ApiAutoSchema(AutoSchema):
         return responses
 
 
-class BoundedFilterExtension(DjangoFilterExtension):
+class BoundedFilterExtension(DjangoFilterExtension):  # type: ignore[no-untyped-call]
     """django-filter parameters as drf-spectacular documents them, plus the bounds of filters
     whose form field has ``min_value``/``max_value`` (ids: a ``bigint``)."""
 
@@ -96,7 +96,7 @@ class BoundedFilterExtension(DjangoFilterExtension):
     def resolve_filter_field(
         self, auto_schema: Any, model: Any, filterset_class: Any, field_name: str, filter_field: Any
     ) -> list[dict[str, Any]]:
-        parameters: list[dict[str, Any]] = super().resolve_filter_field(
+        parameters: list[dict[str, Any]] = super().resolve_filter_field(  # type: ignore[no-untyped-call]
             auto_schema, model, filterset_class, field_name, filter_field
         )
         bounds = {
