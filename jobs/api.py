@@ -218,6 +218,8 @@ def jobs_with_gpus() -> QuerySet[Job]:
 
 # --- views -------------------------------------------------------------------------------------
 
+# Only submissions are YAML text; the actions' bodies are small JSON objects.
+ACTION_PARSERS = [JSONParser]
 JOB_CONFLICT = error_response("The job's state does not allow this (names the current and target state).")
 
 
@@ -294,7 +296,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return self._detail(submission.job.pk, code, Location=location)
 
     @extend_schema(request=JobActionSerializer, responses={200: JobDetailSerializer, 409: JOB_CONFLICT})
-    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
+    @action(detail=True, methods=["post"], parser_classes=ACTION_PARSERS)
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         """Cancel the job and stop its workers (from any non-terminal state)."""
         job, detail = self._action_target(request)
@@ -302,7 +304,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return self._detail(job.pk)
 
     @extend_schema(request=JobActionSerializer, responses={200: JobDetailSerializer, 409: JOB_CONFLICT})
-    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
+    @action(detail=True, methods=["post"], parser_classes=ACTION_PARSERS)
     def pause(self, request: Request, pk: str | None = None) -> Response:
         """Stop the scheduler from moving GPUs for this job (it keeps running as it is)."""
         job, detail = self._action_target(request)
@@ -310,7 +312,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return self._detail(job.pk)
 
     @extend_schema(request=JobActionSerializer, responses={200: JobDetailSerializer, 409: JOB_CONFLICT})
-    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
+    @action(detail=True, methods=["post"], parser_classes=ACTION_PARSERS)
     def resume(self, request: Request, pk: str | None = None) -> Response:
         """Let the scheduler move GPUs for this job again."""
         job, detail = self._action_target(request)
@@ -333,7 +335,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             ),
         },
     )
-    @action(detail=True, methods=["post"], parser_classes=[JSONParser])
+    @action(detail=True, methods=["post"], parser_classes=ACTION_PARSERS)
     def migrate(self, request: Request, pk: str | None = None) -> Response:
         """Move workers' GPUs from one group to another by hand (operators), e.g. from rollout to
         actor. The migration runs through the agents like any other; devices change owner when it

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import django_filters
 
-from controlplane.api.filters import IdFilter, MultiChoiceFilter, time_range
+from controlplane.api.filters import ApiFilterSet, BooleanFilter, IdFilter, MultiChoiceFilter, time_range
 from jobs.models import Job, JobState, WorkerGroup
 
 
-class JobFilter(django_filters.FilterSet):
+class JobFilter(ApiFilterSet):
     state = MultiChoiceFilter(choices=JobState.choices, label="one or more states")
     owner = django_filters.CharFilter(field_name="owner__username", label="owner's username")
     policy = django_filters.CharFilter()
@@ -35,11 +35,11 @@ class JobFilter(django_filters.FilterSet):
         fields: list[str] = []
 
 
-class WorkerGroupFilter(django_filters.FilterSet):
+class WorkerGroupFilter(ApiFilterSet):
     job = IdFilter(field_name="job", label="job id")
     kind = django_filters.CharFilter(label="rollout, inference, reward, tool or actor")
     name = django_filters.CharFilter()
-    flagged = django_filters.BooleanFilter()
+    flagged = BooleanFilter()
 
     class Meta:
         model = WorkerGroup

@@ -24,6 +24,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.api import exports
+from controlplane.api.filters import BIGINT_MAX, BIGINT_MIN
 from jobs.models import Job
 from scheduler.filters import (
     AlertFilter,
@@ -60,7 +61,7 @@ from scheduler.services import history
 
 
 class LatestSnapshotQuery(serializers.Serializer):
-    job = serializers.IntegerField(help_text="job id")
+    job = serializers.IntegerField(min_value=BIGINT_MIN, max_value=BIGINT_MAX, help_text="job id")
     at = serializers.DateTimeField(required=False, help_text="the last snapshot at or before this time")
 
 

@@ -11,7 +11,14 @@ import re
 import django_filters
 from django.db.models import Q, QuerySet
 
-from controlplane.api.filters import CharInFilter, IdFilter, MultiChoiceFilter, time_range
+from controlplane.api.filters import (
+    ApiFilterSet,
+    BooleanFilter,
+    CharInFilter,
+    IdFilter,
+    MultiChoiceFilter,
+    time_range,
+)
 from scheduler.models import (
     Alert,
     AlertKind,
@@ -29,7 +36,7 @@ def _job() -> IdFilter:
     return IdFilter(field_name="job", label="job id")
 
 
-class SnapshotFilter(django_filters.FilterSet):
+class SnapshotFilter(ApiFilterSet):
     job = _job()
     cause = CharInFilter(label="admission, change, periodic or migration (comma-separated)")
     after, before = time_range("taken_at", "taken")
@@ -40,7 +47,7 @@ class SnapshotFilter(django_filters.FilterSet):
         fields: list[str] = []
 
 
-class DecisionFilter(django_filters.FilterSet):
+class DecisionFilter(ApiFilterSet):
     job = _job()
     reason = CharInFilter(label="one or more reasons, e.g. donor_low_utilisation,operator_request")
     policy = django_filters.CharFilter()
@@ -54,7 +61,7 @@ class DecisionFilter(django_filters.FilterSet):
         fields: list[str] = []
 
 
-class MigrationFilter(django_filters.FilterSet):
+class MigrationFilter(ApiFilterSet):
     job = _job()
     state = MultiChoiceFilter(choices=MigrationState.choices, label="one or more states")
     strategy = CharInFilter(
@@ -83,7 +90,7 @@ class MigrationFilter(django_filters.FilterSet):
         return queryset.filter(wanted)
 
 
-class PredictorSampleFilter(django_filters.FilterSet):
+class PredictorSampleFilter(ApiFilterSet):
     job = _job()
     component = CharInFilter(label="component kind(s): rollout, inference, reward, tool, actor")
     scope = MultiChoiceFilter(choices=PredictorScope.choices)
@@ -96,7 +103,7 @@ class PredictorSampleFilter(django_filters.FilterSet):
         fields: list[str] = []
 
 
-class TickFilter(django_filters.FilterSet):
+class TickFilter(ApiFilterSet):
     job = _job()
     outcome = CharInFilter(label="no_change, decided, migration_in_flight, paused, finished, ...")
     after, before = time_range("started_at", "started")
@@ -106,13 +113,11 @@ class TickFilter(django_filters.FilterSet):
         fields: list[str] = []
 
 
-class AlertFilter(django_filters.FilterSet):
+class AlertFilter(ApiFilterSet):
     job = _job()
     node = django_filters.CharFilter(field_name="node__name", label="node name")
     kind = MultiChoiceFilter(choices=AlertKind.choices)
-    open = django_filters.BooleanFilter(
-        field_name="cleared_at", lookup_expr="isnull", label="true: not cleared yet"
-    )
+    open = BooleanFilter(field_name="cleared_at", lookup_expr="isnull", label="true: not cleared yet")
     after, before = time_range("raised_at", "raised")
 
     class Meta:

@@ -4,6 +4,12 @@ Rows are read from the database in chunks while the response is being sent, so a
 every migration step ever recorded does not sit in memory. Under ASGI (daphne) the body is an
 async iterator that fetches each chunk in the request's sync thread; under WSGI it is a plain
 iterator. Either way the browser or the CLI gets ``Content-Disposition: attachment``.
+
+Every export ends. The first chunk is read before the response is returned, so a query the
+database refuses answers in the API's error shape instead of a 200 whose body never comes (daphne
+keeps a connection open when the application fails after the response has started). A failure
+after that is logged with the request id and ends the body early: the export is then cut short
+(a JSON array lacks its closing bracket), never left hanging.
 """
 
 # mypy: disallow-subclassing-any=False
@@ -14,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -24,9 +31,13 @@ from django.http import HttpRequest, StreamingHttpResponse
 from rest_framework.renderers import BaseRenderer
 from rest_framework.utils.encoders import JSONEncoder
 
+from controlplane.audit import current_request_id
+
 ROWS_PER_CHUNK = 500
 CSV_MEDIA_TYPE = "text/csv"
 JSON_MEDIA_TYPE = "application/json"
+
+log = logging.getLogger(__name__)
 
 
 class CSVRenderer(BaseRenderer):
@@ -101,16 +112,31 @@ def json_array(items: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     yield "]"
 
 
-async def _async_chunks(make_chunks: Callable[[], Iterator[str]]) -> AsyncIterator[str]:
-    chunks: Iterator[str] | None = None
+def _ending(chunks: Iterator[str], *, first: str | None, filename: str, request_id: str) -> Iterator[str]:
+    """``first``, then the rest of ``chunks``; a failure ends the body instead of escaping."""
+    if first is None:
+        return
+    yield first
+    sent = 1
+    while True:
+        try:
+            chunk = next(chunks, None)
+        except Exception:
+            log.exception(
+                "export %s failed after %d chunk(s), request id %s; its body ends here",
+                filename,
+                sent,
+                request_id,
+            )
+            return
+        if chunk is None:
+            return
+        yield chunk
+        sent += 1
 
-    def next_chunk() -> str | None:
-        nonlocal chunks
-        if chunks is None:
-            chunks = make_chunks()
-        return next(chunks, None)
 
-    fetch = sync_to_async(next_chunk, thread_sensitive=True)
+async def _async_chunks(chunks: Iterator[str]) -> AsyncIterator[str]:
+    fetch = sync_to_async(lambda: next(chunks, None), thread_sensitive=True)
     while (chunk := await fetch()) is not None:
         yield chunk
 
@@ -118,14 +144,14 @@ async def _async_chunks(make_chunks: Callable[[], Iterator[str]]) -> AsyncIterat
 def streaming_response(
     request: HttpRequest, make_lines: Callable[[], Iterable[str]], *, content_type: str, filename: str
 ) -> StreamingHttpResponse:
-    """A response whose body is produced chunk by chunk from ``make_lines`` (called lazily, so
-    the database is read while sending, in the thread Django gives to sync code)."""
-
-    def chunks() -> Iterator[str]:
-        return _chunked(make_lines())
-
+    """A response whose body is produced chunk by chunk from ``make_lines``, in the thread Django
+    gives to sync code. The first chunk is produced here, so what fails at the start of the
+    export (the query itself) raises into the view and answers as an error."""
+    chunks = _chunked(make_lines())
+    first = next(chunks, None)
+    ending = _ending(chunks, first=first, filename=filename, request_id=current_request_id())
     body: Iterator[str] | AsyncIterator[str] = (
-        _async_chunks(chunks) if isinstance(request, ASGIRequest) else chunks()
+        _async_chunks(ending) if isinstance(request, ASGIRequest) else ending
     )
     response = StreamingHttpResponse(body, content_type=f"{content_type}; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{filename}"'

@@ -2,6 +2,12 @@
 
 Multi-valued filters accept both repeated parameters and commas: ``?state=running&state=pending``
 and ``?state=running,pending`` mean the same. Invalid values answer 400 naming the parameter.
+
+Every filter set derives from ``ApiFilterSet``, whose form refuses what PostgreSQL cannot take in
+a query, whatever the filter's type: a NUL character in a string (``text`` cannot hold one), an
+integer outside ``bigint``, a time outside the years 1-9999 once in UTC. Times are handed to the
+database in UTC: an ISO 8601 offset such as ``-22:21`` names an instant well enough, but
+PostgreSQL refuses offsets of 16 hours or more in a literal.
 """
 
 # mypy: disallow-subclassing-any=False
@@ -9,14 +15,92 @@ and ``?state=running,pending`` mean the same. Invalid values answer 400 naming t
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import django_filters
 from django import forms
+from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
 
 from agents.models import Device, DeviceStatus, Node, NodeStatus
-from controlplane.models import ActorType, AuditEvent
+from controlplane.models import ActorType, ApiToken, AuditEvent
+
+BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
+
+
+def storable(value: Any) -> Any:
+    """``value`` as PostgreSQL can take it in a query (times in UTC), or ValidationError."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValidationError("must not contain NUL (\\x00) characters", code="null_characters")
+        return value
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if not BIGINT_MIN <= value <= BIGINT_MAX:
+            raise ValidationError(f"must be between {BIGINT_MIN} and {BIGINT_MAX}", code="out_of_range")
+        return value
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            return value
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:
+            raise ValidationError(
+                "out of range: in UTC it falls before year 1 or after year 9999", code="out_of_range"
+            ) from None
+    if isinstance(value, list | tuple):
+        return type(value)(storable(item) for item in value)
+    if isinstance(value, slice):
+        return slice(storable(value.start), storable(value.stop), value.step)
+    return value
+
+
+class StorableQueryForm(forms.Form):
+    """Checks every cleaned filter value with ``storable`` and names the parameter at fault."""
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        for name, value in list(cleaned.items()):
+            try:
+                cleaned[name] = storable(value)
+            except ValidationError as exc:
+                self.add_error(name, exc)
+        return cleaned
+
+
+class ApiFilterSet(django_filters.FilterSet):
+    """The base of every filter set of the API (see the module docstring)."""
+
+    def get_form_class(self) -> type[forms.Form]:
+        form: type[forms.Form] = super().get_form_class()
+        return type(form.__name__, (StorableQueryForm, form), {})
+
+
+class StrictBooleanField(forms.NullBooleanField):
+    """``true``/``false`` (or ``1``/``0``); blank means not given. Django's field (and its
+    select widget) would read any other value as not given, so ``?open=maybe`` listed everything."""
+
+    widget = forms.TextInput
+    VALUES: dict[str, bool] = {"true": True, "1": True, "false": False, "0": False}
+
+    def to_python(self, value: Any) -> bool | None:  # type: ignore[override]  # None: not given
+        if value is None or value == "":
+            return None
+        if isinstance(value, bool):
+            return value
+        try:
+            return self.VALUES[str(value).lower()]
+        except KeyError:
+            raise ValidationError("must be true or false", code="invalid") from None
+
+    def validate(self, value: bool | None) -> None:
+        pass
+
+
+class BooleanFilter(django_filters.BooleanFilter):
+    field_class = StrictBooleanField
 
 
 class CommaMultipleChoiceField(forms.MultipleChoiceField):
@@ -32,9 +116,14 @@ class MultiChoiceFilter(django_filters.MultipleChoiceFilter):
 
 
 class IdFilter(django_filters.NumberFilter):
-    """A row id: a whole number (``?job=1.5`` is a 400, not job 1)."""
+    """A row id: a whole number that fits a ``bigint`` (``?job=1.5`` is a 400, not job 1)."""
 
     field_class = forms.IntegerField
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", BIGINT_MIN)
+        kwargs.setdefault("max_value", BIGINT_MAX)
+        super().__init__(*args, **kwargs)
 
 
 class CharInFilter(django_filters.BaseInFilter, django_filters.CharFilter):
@@ -53,7 +142,15 @@ def time_range(field_name: str, what: str) -> tuple[django_filters.IsoDateTimeFi
     )
 
 
-class AuditEventFilter(django_filters.FilterSet):
+class TokenFilter(ApiFilterSet):
+    user = django_filters.CharFilter(field_name="user__username", label="only this user's tokens (admins)")
+
+    class Meta:
+        model = ApiToken
+        fields: list[str] = []
+
+
+class AuditEventFilter(ApiFilterSet):
     actor_type = MultiChoiceFilter(choices=ActorType.choices)
     actor = django_filters.CharFilter(label="username, agent:<node> or scheduler (exact)")
     verb = CharInFilter(label="one or more verbs, e.g. job.submit,job.cancelled")
@@ -69,7 +166,7 @@ class AuditEventFilter(django_filters.FilterSet):
         fields: list[str] = []
 
 
-class NodeFilter(django_filters.FilterSet):
+class NodeFilter(ApiFilterSet):
     status = MultiChoiceFilter(choices=NodeStatus.choices)
     name = django_filters.CharFilter(lookup_expr="icontains", label="name contains")
     hardware = django_filters.CharFilter(method="with_hardware", label="has devices of this hardware type")
@@ -89,13 +186,13 @@ class NodeFilter(django_filters.FilterSet):
         return queryset.filter(devices__hardware=value).distinct()
 
 
-class DeviceFilter(django_filters.FilterSet):
+class DeviceFilter(ApiFilterSet):
     node = django_filters.CharFilter(field_name="node__name", label="node name")
     status = MultiChoiceFilter(choices=DeviceStatus.choices)
     hardware = django_filters.CharFilter()
     job = IdFilter(field_name="worker__group__job", label="owner job id")
     group = django_filters.CharFilter(field_name="worker__group__name", label="owner group name")
-    idle = django_filters.BooleanFilter(method="only_idle", label="true: free devices on ready nodes")
+    idle = BooleanFilter(method="only_idle", label="true: free devices on ready nodes")
     ordering = django_filters.OrderingFilter(
         fields=(("uid", "uid"), ("utilisation", "utilisation"), ("reported_at", "reported_at"))
     )
@@ -104,8 +201,7 @@ class DeviceFilter(django_filters.FilterSet):
         model = Device
         fields: list[str] = []
 
-    def only_idle(self, queryset: QuerySet[Device], name: str, value: bool | None) -> QuerySet[Device]:
+    def only_idle(self, queryset: QuerySet[Device], name: str, value: bool) -> QuerySet[Device]:
+        # Not called without a value; ``bool`` is also what documents ``idle`` as a boolean.
         idle = Q(status=DeviceStatus.FREE, worker__isnull=True, node__status=NodeStatus.READY)
-        if value is None:
-            return queryset
         return queryset.filter(idle) if value else queryset.exclude(idle)

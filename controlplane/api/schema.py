@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from drf_spectacular.contrib.django_filters import DjangoFilterExtension
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
@@ -49,19 +50,60 @@ COMMON_ERRORS: dict[str, str] = {
     "403": "Authenticated, but the role does not allow this.",
 }
 NOT_FOUND = "No such object."
+NO_SUCH_PAGE = "No such page: `page` is past the last one."
+NO_SUCH_FORMAT = "No such format: `format` names none of the documented ones."
 
 
 class ApiAutoSchema(AutoSchema):
-    """Adds the documented error responses (in the one error shape) to every operation."""
+    """Adds the documented error responses (in the one error shape) to every operation, and says
+    of every optional query parameter that a blank value is allowed: it means the parameter was
+    not given, as django-filter, DRF's serializers and its pagination all read it (and as HTML
+    forms send it)."""
+
+    def _get_parameters(self) -> list[dict[str, Any]]:
+        parameters: list[dict[str, Any]] = super()._get_parameters()
+        for parameter in parameters:
+            if parameter["in"] == "query" and not parameter.get("required"):
+                parameter["allowEmptyValue"] = True
+        return parameters
 
     def _get_response_bodies(self, direction: Literal["request", "response"] = "response") -> dict[str, Any]:
         responses: dict[str, Any] = super()._get_response_bodies(direction)
         errors = dict(COMMON_ERRORS)
+        not_found = []
         if "{" in self.path:
-            errors["404"] = NOT_FOUND
+            not_found.append(NOT_FOUND)
+        if self.method == "GET" and self._is_list_view() and self._get_paginator() is not None:  # type: ignore[no-untyped-call]
+            not_found.append(NO_SUCH_PAGE)
+        if len(self.map_renderers("format")) > 1:  # ``?format=`` picks one; another one is a 404
+            not_found.append(NO_SUCH_FORMAT)
+        if not_found:
+            errors["404"] = " ".join(not_found)
         for code, description in errors.items():
             if code not in responses:
                 responses[code] = self._get_response_for_code(  # type: ignore[no-untyped-call]
                     error_response(description), code, media_types=["application/json"], direction=direction
                 )
         return responses
+
+
+class BoundedFilterExtension(DjangoFilterExtension):  # type: ignore[no-untyped-call]
+    """django-filter parameters as drf-spectacular documents them, plus the bounds of filters
+    whose form field has ``min_value``/``max_value`` (ids: a ``bigint``)."""
+
+    priority = 1
+
+    def resolve_filter_field(
+        self, auto_schema: Any, model: Any, filterset_class: Any, field_name: str, filter_field: Any
+    ) -> list[dict[str, Any]]:
+        parameters: list[dict[str, Any]] = super().resolve_filter_field(  # type: ignore[no-untyped-call]
+            auto_schema, model, filterset_class, field_name, filter_field
+        )
+        bounds = {
+            "minimum": filter_field.extra.get("min_value"),
+            "maximum": filter_field.extra.get("max_value"),
+        }
+        for parameter in parameters:
+            if parameter["schema"].get("type") == "integer":
+                parameter["schema"].update({key: value for key, value in bounds.items() if value is not None})
+        return parameters

@@ -11,7 +11,7 @@ from typing import Any
 from django.db.models import Avg, Count, Prefetch, Q, QuerySet
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
@@ -23,7 +23,7 @@ from rest_framework.views import APIView
 from agents.models import Device, DeviceStatus, Node
 from controlplane.api import exports
 from controlplane.api.cluster import cluster_summary
-from controlplane.api.filters import AuditEventFilter, DeviceFilter, NodeFilter
+from controlplane.api.filters import AuditEventFilter, DeviceFilter, NodeFilter, TokenFilter
 from controlplane.api.permissions import AnyRole
 from controlplane.api.serializers import (
     AuditEventSerializer,
@@ -61,7 +61,9 @@ class WhoAmIView(APIView):
             "is_superuser": user.is_superuser,
             "groups": sorted(user.groups.values_list("name", flat=True)),
             "authentication": "token" if token is not None else "session",
-            "token": TokenSerializer(token).data if token is not None else None,
+            # The token itself, not its rendered dict: the nested serializer reads user and active
+            # from the model.
+            "token": token,
         }
         return Response(WhoAmISerializer(data).data)
 
@@ -75,6 +77,8 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
 
     serializer_class = TokenSerializer
     permission_classes = [AnyRole]
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = TokenFilter
 
     def get_queryset(self) -> QuerySet[ApiToken]:
         tokens = ApiToken.objects.select_related("user").order_by("-created_at", "-id")
@@ -83,16 +87,6 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Ge
         if role_of(self.request.user) == Role.ADMIN:
             return tokens
         return tokens.filter(user=self.request.user)
-
-    @extend_schema(
-        parameters=[OpenApiParameter("user", str, description="only this user's tokens (admins)")],
-    )
-    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        return super().list(request, *args, **kwargs)
-
-    def filter_queryset(self, queryset: QuerySet[ApiToken]) -> QuerySet[ApiToken]:
-        username = self.request.query_params.get("user")
-        return queryset.filter(user__username=username) if username else queryset
 
     @extend_schema(request=TokenCreateSerializer, responses={201: TokenCreatedSerializer})
     def create(self, request: Request) -> Response:

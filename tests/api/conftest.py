@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from agents.models import AgentCommand, CommandState, Node
+from controlplane.asgi import application
 from controlplane.audit import Actor
 from controlplane.models import ApiToken
 from jobs.models import Job
@@ -49,6 +51,16 @@ def clients(users: dict[str, User]) -> dict[str, APIClient]:
 
 
 @pytest.fixture
+def asgi_app(transactional_db: None, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The ASGI app (as daphne serves it) for clients that call it in-process, such as
+    schemathesis's. Each request runs in a thread of its own with its own database connection,
+    so the test's rows must be committed, and each connection is closed when its request ends
+    (a lingering one would keep the test database from being dropped)."""
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
+    return application
+
+
+@pytest.fixture
 def cluster(db: Any) -> list[Node]:
     return make_cluster({"node-a": ("H100", 4), "node-b": ("H100", 4), "node-c": ("A100", 2)})
 
@@ -78,36 +90,35 @@ def running_job(cluster: list[Node], users: dict[str, User]) -> Job:
     return mark_running(submit(users["operator"], spec("math-small", rollout=4, actor=2)))
 
 
-@pytest.fixture
-def history(running_job: Job, users: dict[str, User]) -> dict[str, Any]:
+def build_history(job: Job, operator: User) -> dict[str, Any]:
     """A committed manual migration (decision, steps), snapshots, predictor samples, a tick and
-    alerts for ``running_job``."""
-    first = snapshots.take(running_job, cause="admission")
+    alerts for a running ``job``."""
+    first = snapshots.take(job, cause="admission")
     migration = migrations.request_manual_migration(
-        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(users["operator"])
+        job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(operator)
     )
     play_agents()
     migration.refresh_from_db()
     assert migration.state == MigrationState.COMMITTED
-    second = snapshots.take(running_job, cause="migration")
+    second = snapshots.take(job, cause="migration")
     now = timezone.now()
     samples = [
         PredictorSample.objects.create(
-            migration=migration, job=running_job, scope=PredictorScope.DONOR, group="rollout",
+            migration=migration, job=job, scope=PredictorScope.DONOR, group="rollout",
             component="rollout", predicted=90.0, observed=100.0, recorded_at=now,
         ),
         PredictorSample.objects.create(
-            migration=migration, job=running_job, scope=PredictorScope.RECIPIENT, group="actor",
+            migration=migration, job=job, scope=PredictorScope.RECIPIENT, group="actor",
             component="actor", predicted=130.0, observed=100.0, recorded_at=now,
         ),
         PredictorSample.objects.create(
-            migration=migration, job=running_job, scope=PredictorScope.JOB, group="",
+            migration=migration, job=job, scope=PredictorScope.JOB, group="",
             component="", predicted=50.0, observed=0.0, recorded_at=now,
         ),
     ]  # fmt: skip
-    tick = Tick.objects.create(job=running_job, outcome="no_change", duration_ms=12.5, policy_ms=3.0)
+    tick = Tick.objects.create(job=job, outcome="no_change", duration_ms=12.5, policy_ms=3.0)
     open_alert = Alert.objects.create(
-        kind=AlertKind.WORKER_STUCK, subject="w1", job=running_job, message="stuck at 0%"
+        kind=AlertKind.WORKER_STUCK, subject="w1", job=job, message="stuck at 0%"
     )
     cleared_alert = Alert.objects.create(
         kind=AlertKind.HEARTBEAT_GAP,
@@ -118,7 +129,7 @@ def history(running_job: Job, users: dict[str, User]) -> dict[str, Any]:
         cleared_at=now - timedelta(minutes=4),
     )
     return {
-        "job": running_job,
+        "job": job,
         "migration": migration,
         "decision": migration.decision,
         "snapshots": [first, second],
@@ -126,6 +137,12 @@ def history(running_job: Job, users: dict[str, User]) -> dict[str, Any]:
         "tick": tick,
         "alerts": [open_alert, cleared_alert],
     }
+
+
+@pytest.fixture
+def history(running_job: Job, users: dict[str, User]) -> dict[str, Any]:
+    """``build_history`` for ``running_job``."""
+    return build_history(running_job, users["operator"])
 
 
 def error_of(response: Any) -> dict[str, Any]:

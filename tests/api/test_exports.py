@@ -5,14 +5,21 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+import psycopg
 import pytest
 from asgiref.sync import async_to_sync
+from django.db import DataError, connection
+from django.http import HttpRequest
 from django.test import AsyncClient
 from rest_framework.test import APIClient
 
-from controlplane.models import ApiToken, AuditEvent
+from controlplane.api import exports
+from controlplane.models import ActorType, ApiToken, AuditEvent
 from scheduler.models import MigrationStep
 from tests.api.conftest import error_of, field_paths
 
@@ -144,3 +151,71 @@ def test_export_streams_under_asgi(history: dict[str, Any], users: dict[str, Any
     assert code == 200
     assert is_async
     assert len(parse_csv(body)) == history["migration"].steps.count()
+
+
+def test_an_export_whose_query_the_database_refuses_raises_before_it_answers() -> None:
+    """Its first chunk is read before the response exists, so the error reaches the view (and
+    answers in the error shape) instead of failing a 200 whose body daphne then never ends."""
+    beyond = timezone(timedelta(hours=21, minutes=15))  # PostgreSQL takes no literal offset past 15:59
+
+    def lines() -> Iterator[str]:
+        yield from exports.csv_lines(
+            ("id",), AuditEvent.objects.filter(at__lt=datetime(2875, 5, 13, tzinfo=beyond)).values_list("id")
+        )
+
+    with pytest.raises(DataError):
+        exports.streaming_response(
+            HttpRequest(), lines, content_type=exports.CSV_MEDIA_TYPE, filename="x.csv"
+        )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+def test_an_export_cut_off_by_the_database_ends_short_and_is_logged(
+    users: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database connection dies after the first chunk (its backend is terminated): the body
+    ends there, without the JSON array's closing bracket, and the failure is logged."""
+    now = datetime.now(UTC)
+    AuditEvent.objects.bulk_create(
+        AuditEvent(
+            at=now,
+            actor_type=ActorType.SYSTEM,
+            actor="test",
+            verb="test.row",
+            object_type="x",
+            object_id=str(i),
+        )
+        for i in range(3 * exports.ROWS_PER_CHUNK)
+    )
+    _, raw = ApiToken.issue(users["viewer"], "export")
+    backend = connection.connection.info.backend_pid  # AsyncClient runs the view in this thread
+    settings = connection.settings_dict
+
+    def terminate_the_backend() -> None:
+        with psycopg.connect(
+            host=settings["HOST"] or "127.0.0.1", port=settings["PORT"] or 5432, user=settings["USER"],
+            password=settings["PASSWORD"] or None, dbname=settings["NAME"], autocommit=True,
+        ) as other:  # fmt: skip
+            other.execute("SELECT pg_terminate_backend(%s, 10000)", [backend])
+
+    async def fetch() -> tuple[int, bytes, bytes]:
+        response = await AsyncClient().get(
+            "/api/v1/audit-events/export/", {"format": "json"}, headers={"Authorization": f"Bearer {raw}"}
+        )
+        chunks = aiter(response.streaming_content)
+        first = await anext(chunks)
+        terminate_the_backend()
+        rest = b"".join([chunk async for chunk in chunks])
+        return response.status_code, first, rest
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="controlplane.api.exports"):
+            status, first, rest = async_to_sync(fetch)()
+    finally:
+        connection.close()  # the terminated one; the test database's flush opens another
+    assert status == 200
+    body = (first + rest).decode()
+    assert body.startswith("[") and not body.endswith("]")
+    assert 0 < body.count('"verb"') < 3 * exports.ROWS_PER_CHUNK
+    assert any("export audit-events.json failed" in record.getMessage() for record in caplog.records)

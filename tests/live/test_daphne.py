@@ -143,3 +143,18 @@ def test_daphne_serves_http_and_live_events(daphne: int) -> None:
     assert opcode == 8  # close
     assert struct.unpack("!H", payload[:2])[0] == 4401
     anonymous.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_export_daphne_serves_always_ends(daphne: int) -> None:
+    """``before`` with an offset PostgreSQL refuses (+21:15) made the export's query fail after
+    the response had started; daphne then kept the connection open with nothing sent."""
+    viewer = make_user("viewer")
+    _, raw = ApiToken.issue(viewer, "export")
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{daphne}/api/v1/migrations/export/?before=2875-05-13T17:19:49%2B21:15",
+        headers={"Authorization": f"Bearer {raw}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:  # a hang is a timeout here
+        assert answer.status == 200
+        assert answer.read().decode().startswith("id,migration_id,")
