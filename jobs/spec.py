@@ -526,15 +526,8 @@ def check_document_bounds(document: object, limits: DocumentLimits = DEFAULT_LIM
 def compose_yaml(text: str, *, limits: DocumentLimits = DEFAULT_LIMITS) -> yaml.Node | None:
     """The YAML node tree of ``text`` (positions kept, nothing constructed), within ``limits``."""
     _check_size(text, limits)
-    loader = _BoundedSafeLoader(text, limits)
-    try:
-        return loader.get_single_node()
-    except _Refused as exc:
-        raise SpecError([FieldError("", f"{exc.message}{_where(exc.mark, parenthesised=True)}")]) from exc
-    except yaml.YAMLError as exc:
-        raise _yaml_syntax_error(exc) from exc
-    finally:
-        loader.dispose()
+    node: yaml.Node | None = _read_yaml(text, limits, _BoundedSafeLoader.get_single_node)
+    return node
 
 
 def _check_size(text: str, limits: DocumentLimits) -> None:
@@ -595,16 +588,23 @@ def _yaml_syntax_error(exc: yaml.YAMLError) -> SpecError:
     return SpecError([FieldError("", f"YAML syntax error: {_clip(str(exc))}")])
 
 
-def _load_yaml(text: str, limits: DocumentLimits) -> Any:
-    loader = _BoundedSafeLoader(text, limits)  # a SafeLoader subclass: safe_load semantics
+def _read_yaml(text: str, limits: DocumentLimits, read: Callable[[_BoundedSafeLoader], Any]) -> Any:
+    """``read`` (compose or construct) ``text`` with a bounded loader; refusals and syntax errors
+    become a SpecError."""
+    loader = _BoundedSafeLoader(text, limits)
     try:
-        document = loader.get_single_data()
+        return read(loader)
     except _Refused as exc:
         raise SpecError([FieldError("", f"{exc.message}{_where(exc.mark, parenthesised=True)}")]) from exc
     except yaml.YAMLError as exc:
         raise _yaml_syntax_error(exc) from exc
     finally:
         loader.dispose()
+
+
+def _load_yaml(text: str, limits: DocumentLimits) -> Any:
+    # A SafeLoader subclass: safe_load semantics.
+    document = _read_yaml(text, limits, _BoundedSafeLoader.get_single_data)
     if document is None:
         raise SpecError([FieldError("", "the document is empty")])
     return document

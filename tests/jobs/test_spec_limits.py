@@ -28,6 +28,7 @@ from jobs.spec import (
     parse_gpu_ranks,
     parse_spec,
 )
+from tests.jobs.test_spec import _errors, _minimal
 from tests.services import memory_ceiling
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,23 +41,6 @@ components:
   - {name: rollout, kind: rollout, workers: 4}
   - {name: actor, kind: actor, workers: 2, depends_on: [rollout]}
 """
-
-
-def _minimal() -> dict[str, Any]:
-    return {
-        "name": "job-1",
-        "model": {"name": "qwen2.5-1.5b", "params_b": 1.5},
-        "components": [
-            {"name": "rollout", "kind": "rollout", "workers": 4},
-            {"name": "actor", "kind": "actor", "workers": 2, "depends_on": ["rollout"]},
-        ],
-    }
-
-
-def _errors(document: Any, **kwargs: Any) -> list[FieldError]:
-    with pytest.raises(SpecError) as caught:
-        parse_spec(document, **kwargs)
-    return caught.value.errors
 
 
 def _only(errors: list[FieldError]) -> FieldError:
