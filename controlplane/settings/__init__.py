@@ -440,6 +440,7 @@ AXES_COOLOFF_TIME = timedelta(seconds=_cooloff_s) if _cooloff_s > 0 else None
 # address cannot guess at one account for ever.
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False  # no start-up banner in every process; lockouts are logged anyway
 AXES_CLIENT_IP_CALLABLE = "controlplane.net.client_ip"
 AXES_LOCKOUT_CALLABLE = "frontend.views.locked_out"
 if AXES_FAILURE_LIMIT < 1:
