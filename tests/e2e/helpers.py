@@ -10,7 +10,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from agents.models import Device
+from agents.models import Device, DeviceStatus
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from tests.services import wait_until
@@ -93,6 +93,21 @@ def wait_migration_finished(stack: LiveStack, migration: Migration, timeout_s: f
         f"{list(migration.steps.order_by('index').values_list('kind', 'state', 'nodes'))}\n{stack.logs()}"
     )
     return migration
+
+
+def wait_released(stack: LiveStack, job: Job) -> None:
+    """Every worker of ``job`` stopped (the agents confirmed) and every device free."""
+
+    def released() -> bool:
+        return (
+            not Worker.objects.filter(group__job=job).exclude(state=WorkerState.STOPPED).exists()
+            and not Device.objects.exclude(status=DeviceStatus.FREE, worker__isnull=True).exists()
+        )
+
+    assert wait_until(released, timeout_s=60), (
+        f"{list(Worker.objects.filter(group__job=job).values_list('name', 'state'))} "
+        f"{list(Device.objects.values_list('uid', 'status', 'worker__name'))}\n{stack.logs()}"
+    )
 
 
 def live_workers(job: Job, group: str | None = None) -> set[str]:

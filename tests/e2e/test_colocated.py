@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from agents.models import Device, DeviceStatus
+from agents.models import Device
 from jobs.models import Job, JobState, Worker, WorkerState
 from scheduler.models import Migration, SchedulingDecision, TelemetrySample
-from tests.e2e.helpers import start_cluster, submit, wait_agents_agree, wait_running
+from tests.e2e.helpers import start_cluster, submit, wait_agents_agree, wait_released, wait_running
 from tests.services import wait_until
 from tests.stack import LiveStack
 
@@ -67,19 +67,6 @@ def wait_succeeded(stack: LiveStack, job: Job) -> None:
     assert wait_until(finished, timeout_s=180), f"job {job.pk} at iteration {job.iteration}\n{stack.logs()}"
     assert job.state == JobState.SUCCEEDED, f"{job.state}: {job.state_detail}\n{stack.logs()}"
     assert job.iteration == job.iterations_total == 3
-
-
-def wait_released(stack: LiveStack, job: Job) -> None:
-    def released() -> bool:
-        return (
-            not Worker.objects.filter(group__job=job).exclude(state=WorkerState.STOPPED).exists()
-            and not Device.objects.exclude(status=DeviceStatus.FREE, worker__isnull=True).exists()
-        )
-
-    assert wait_until(released, timeout_s=60), (
-        f"{list(Worker.objects.filter(group__job=job).values_list('name', 'state'))} "
-        f"{list(Device.objects.values_list('uid', 'status', 'worker__name'))}\n{stack.logs()}"
-    )
 
 
 def shared_devices(job: Job) -> set[str]:

@@ -11,9 +11,9 @@ from datetime import timedelta
 
 import pytest
 
-from agents.models import AgentCommand, CommandState, Device, DeviceStatus
+from agents.models import AgentCommand, CommandState
 from controlplane.models import AuditEvent
-from jobs.models import JobState, Worker, WorkerState
+from jobs.models import JobState
 from scheduler import telemetry
 from scheduler.models import (
     HypergraphSnapshot,
@@ -31,6 +31,7 @@ from tests.e2e.helpers import (
     submit,
     wait_agents_agree,
     wait_migration_finished,
+    wait_released,
     wait_running,
 )
 from tests.services import wait_until
@@ -148,14 +149,5 @@ def test_a_job_runs_its_iterations_to_the_end_and_gives_its_devices_back(live_st
     assert [(e.payload["from"], e.payload["to"]) for e in advances] == [(k, k + 1) for k in range(4)]
 
     # Every worker stops (the agents confirm), every device is free, and the agents run nothing.
-    def released() -> bool:
-        return (
-            not Worker.objects.filter(group__job=job).exclude(state=WorkerState.STOPPED).exists()
-            and not Device.objects.exclude(status=DeviceStatus.FREE, worker__isnull=True).exists()
-        )
-
-    assert wait_until(released, timeout_s=60), (
-        f"{list(Worker.objects.filter(group__job=job).values_list('name', 'state'))} "
-        f"{list(Device.objects.values_list('uid', 'status', 'worker__name'))}\n{live_stack.logs()}"
-    )
+    wait_released(live_stack, job)
     wait_agents_agree(live_stack, NODES)
