@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
 from controlplane.models import hash_token
@@ -68,6 +68,13 @@ class Device(models.Model):
     worker = models.ForeignKey(
         "jobs.Worker", null=True, blank=True, on_delete=models.SET_NULL, related_name="devices"
     )
+    reserved_by = models.CharField(
+        max_length=128,
+        blank=True,
+        default="",
+        db_index=True,
+        help_text="the open migration that will hand this free device to a new worker when it commits",
+    )
     utilisation = models.FloatField(default=0.0, help_text="latest reported, 0..1")
     memory_used_gb = models.FloatField(default=0.0)
     reported_at = models.DateTimeField(null=True, blank=True)
@@ -81,6 +88,11 @@ class Device(models.Model):
             models.CheckConstraint(
                 condition=(models.Q(worker__isnull=True) | models.Q(status__in=["allocated", "lost"])),
                 name="device_owned_only_when_allocated_or_lost",
+            ),
+            # A reservation holds a device nobody owns yet; the commit that hands it out clears it.
+            models.CheckConstraint(
+                condition=(models.Q(reserved_by="") | models.Q(worker__isnull=True)),
+                name="device_reserved_only_when_unowned",
             ),
         ]
 
@@ -100,12 +112,44 @@ class JobPictureChange(models.Model):
         return f"change {self.pk} of job {self.job_id}"
 
 
+# The one definition of a device that may be handed out: nobody owns it, no open migration has
+# reserved it, its node is ready. Admission, the tick's free pool and the API's counts all use it.
+FREE_DEVICE = models.Q(status=DeviceStatus.FREE, worker__isnull=True, reserved_by="") & models.Q(
+    node__status=NodeStatus.READY
+)
+
+
 def release_devices(devices: models.QuerySet[Device]) -> int:
     """Drop the devices' owner: they become free, or stay lost while their node is lost (a node
     that comes back frees them). Returns how many were released."""
     on_lost_node = models.Q(node__status=NodeStatus.LOST)
     lost = devices.filter(on_lost_node).update(worker=None, status=DeviceStatus.LOST)
     return lost + devices.exclude(on_lost_node).update(worker=None, status=DeviceStatus.FREE)
+
+
+class DevicesNoLongerFree(Exception):
+    """Some devices a migration wanted from the free pool were taken or reserved meanwhile."""
+
+    def __init__(self, uids: list[str]) -> None:
+        super().__init__(f"devices no longer free: {', '.join(uids)}")
+        self.uids = uids
+
+
+def reserve_devices(uids: list[str], *, migration_id: str) -> None:
+    """Reserve free devices for ``migration_id``, all or none: a conditional update, so of two
+    transactions wanting the same device the second finds it taken (PostgreSQL re-checks the
+    condition once the first commits). Raises DevicesNoLongerFree, reserving nothing."""
+    wanted = sorted(set(uids))
+    with transaction.atomic():
+        got = Device.objects.filter(FREE_DEVICE, uid__in=wanted).update(reserved_by=migration_id)
+        if got != len(wanted):
+            free = set(Device.objects.filter(FREE_DEVICE, uid__in=wanted).values_list("uid", flat=True))
+            raise DevicesNoLongerFree([u for u in wanted if u not in free])
+
+
+def end_reservations(migration_id: str) -> int:
+    """The migration ended: what it reserved and did not hand out is free again."""
+    return Device.objects.filter(reserved_by=migration_id).update(reserved_by="")
 
 
 class BootstrapToken(models.Model):

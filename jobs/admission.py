@@ -1,7 +1,10 @@
 """Gang admission: a job gets devices for all its groups at once, or waits.
 
 Pending jobs are taken by priority, then age. Admission is serialised cluster-wide with a
-PostgreSQL advisory lock so two workers never hand out the same device.
+PostgreSQL advisory lock so two workers never hand out the same device. What is free comes from
+the one selector the tick's free pool uses too (``agents.selectors.free_devices``): devices an open
+migration has reserved are not free, and a device reserved while admission runs is not taken
+(the allocation is a conditional update; the job waits for the next round instead).
 """
 
 from __future__ import annotations
@@ -9,12 +12,13 @@ from __future__ import annotations
 from django.db import connection, transaction
 
 from agents import commands
-from agents.models import Device, DeviceStatus, NodeStatus
+from agents.models import FREE_DEVICE, Device, DeviceStatus, NodeStatus
+from agents.selectors import free_devices
 from controlplane.audit import Actor
 from jobs import services
 from jobs.models import Job, JobReason, JobState, Worker, WorkerGroup
 from jobs.spec import JobSpec
-from scheduler.core.placement import PlacementFailure, place
+from scheduler.core.placement import Placement, PlacementFailure, place
 
 ADMISSION_LOCK_KEY = 0x64796E61  # "dyna"
 
@@ -29,6 +33,7 @@ def admit_pending(*, actor: Actor) -> list[Job]:
         # registered device, and a job is refused as never fitting only if the whole cluster
         # could not hold it: lost and drained nodes may come back.
         cluster = services.registered_devices()
+        free_uids = set(free_devices().values_list("uid", flat=True))
         # Backends whose pending jobs wait behind a job of higher priority that shares their nodes.
         held_back: set[str] = set()
         for job in (
@@ -42,11 +47,7 @@ def admit_pending(*, actor: Actor) -> list[Job]:
             requests = services.group_requests(spec)
             # A job runs only where the node's agent runs its backend (a ray job never on sim hosts).
             pool = services.backend_devices(cluster, spec.backend)
-            free = [
-                d
-                for d in pool
-                if d.status == DeviceStatus.FREE and d.worker_id is None and d.node.status == NodeStatus.READY
-            ]
+            free = [d for d in pool if d.uid in free_uids]
             result = place(requests, services.core_devices(free), services.core_devices(pool))
             if isinstance(result, PlacementFailure):
                 never = services.never_fits(requests, cluster, spec.backend)
@@ -68,26 +69,56 @@ def admit_pending(*, actor: Actor) -> list[Job]:
                 held_back.add(spec.backend)
                 held_back.update(b for d in pool for b in d.node.backends)
                 continue
-            by_uid = {d.uid: d for d in cluster}
-            launches: dict[Worker, list[Device]] = {}
-            for group in WorkerGroup.objects.filter(job=job):
-                for i, worker_devices in enumerate(result[group.name]):
-                    worker = Worker.objects.create(group=group, name=f"j{job.pk}-{group.name}-w{i}")
-                    devices = [by_uid[d.id] for d in worker_devices]
-                    owned = [d for d in devices if d.worker_id is None]
-                    shared = [d for d in devices if d.worker_id is not None]
-                    Device.objects.filter(pk__in=[d.pk for d in owned]).update(
-                        worker=worker, status=DeviceStatus.ALLOCATED
-                    )
-                    for d in owned:
-                        d.status, d.worker_id = DeviceStatus.ALLOCATED, worker.pk
-                    if shared:
-                        worker.colocated_devices.add(*shared)
-                    launches[worker] = devices
+            try:
+                with transaction.atomic():
+                    launches = _allocate(job, result, {d.uid: d for d in cluster})
+            except _DevicesTaken as taken:
+                # Reserved by a migration after this round read the free pool: wait for the next.
+                detail = f"waiting for devices: {', '.join(taken.uids)} were reserved meanwhile"
+                job.state_reason, job.state_detail = JobReason.WAITING_FOR_DEVICES, detail
+                job.save(update_fields=["state_reason", "state_detail"])
+                held_back.add(spec.backend)
+                continue
+            for devices in launches.values():
+                free_uids.difference_update(d.uid for d in devices)
             services.transition(job, JobState.ADMITTED, JobReason.ADMITTED, actor, f"{spec.total_gpus} GPUs")
             commands.queue_launch(launches, job_spec=job.spec)
             admitted.append(job)
     return admitted
+
+
+class _DevicesTaken(Exception):
+    def __init__(self, uids: list[str]) -> None:
+        super().__init__(", ".join(uids))
+        self.uids = uids
+
+
+def _allocate(job: Job, placement: Placement, by_uid: dict[str, Device]) -> dict[Worker, list[Device]]:
+    """Create the job's workers and give them their devices; raises _DevicesTaken (and the caller's
+    savepoint undoes everything) when a device stopped being free since the pool was read."""
+    launches: dict[Worker, list[Device]] = {}
+    for group in WorkerGroup.objects.filter(job=job):
+        for i, worker_devices in enumerate(placement[group.name]):
+            worker = Worker.objects.create(group=group, name=f"j{job.pk}-{group.name}-w{i}")
+            devices = [by_uid[d.id] for d in worker_devices]
+            owned = [d for d in devices if d.worker_id is None]
+            shared = [d for d in devices if d.worker_id is not None]
+            got = Device.objects.filter(FREE_DEVICE, pk__in=[d.pk for d in owned]).update(
+                worker=worker, status=DeviceStatus.ALLOCATED
+            )
+            if got != len(owned):
+                still_free = set(
+                    Device.objects.filter(FREE_DEVICE, pk__in=[d.pk for d in owned]).values_list(
+                        "uid", flat=True
+                    )
+                )
+                raise _DevicesTaken(sorted(d.uid for d in owned if d.uid not in still_free))
+            for d in owned:
+                d.status, d.worker_id = DeviceStatus.ALLOCATED, worker.pk
+            if shared:
+                worker.colocated_devices.add(*shared)
+            launches[worker] = devices
+    return launches
 
 
 def _waiting_detail(backend: str, failure: PlacementFailure, cluster: list[Device]) -> str:

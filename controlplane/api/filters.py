@@ -21,9 +21,9 @@ from typing import Any
 import django_filters
 from django import forms
 from django.core.exceptions import ValidationError
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
+from agents.models import FREE_DEVICE, Device, DeviceStatus, Node, NodeStatus
 from controlplane.models import ActorType, ApiToken, AuditEvent
 
 BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
@@ -192,7 +192,10 @@ class DeviceFilter(ApiFilterSet):
     hardware = django_filters.CharFilter()
     job = IdFilter(field_name="worker__group__job", label="owner job id")
     group = django_filters.CharFilter(field_name="worker__group__name", label="owner group name")
-    idle = BooleanFilter(method="only_idle", label="true: free devices on ready nodes")
+    idle = BooleanFilter(
+        method="only_idle",
+        label="true: devices that may be handed out: free, not reserved by a migration, on ready nodes",
+    )
     ordering = django_filters.OrderingFilter(
         fields=(("uid", "uid"), ("utilisation", "utilisation"), ("reported_at", "reported_at"))
     )
@@ -203,5 +206,4 @@ class DeviceFilter(ApiFilterSet):
 
     def only_idle(self, queryset: QuerySet[Device], name: str, value: bool) -> QuerySet[Device]:
         # Not called without a value; ``bool`` is also what documents ``idle`` as a boolean.
-        idle = Q(status=DeviceStatus.FREE, worker__isnull=True, node__status=NodeStatus.READY)
-        return queryset.filter(idle) if value else queryset.exclude(idle)
+        return queryset.filter(FREE_DEVICE) if value else queryset.exclude(FREE_DEVICE)

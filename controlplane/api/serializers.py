@@ -184,6 +184,7 @@ class DeviceSerializer(serializers.ModelSerializer):
             "memory_gb",
             "memory_used_gb",
             "status",
+            "reserved_by",
             "utilisation",
             "reported_at",
             "last_heartbeat_at",

@@ -17,9 +17,21 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from agents.models import AgentCommand, CommandState, Device, DeviceStatus, Node, NodeStatus, release_devices
+from agents.models import (
+    AgentCommand,
+    CommandState,
+    Device,
+    DevicesNoLongerFree,
+    DeviceStatus,
+    Node,
+    NodeStatus,
+    end_reservations,
+    release_devices,
+    reserve_devices,
+)
 from controlplane import audit, events
 from controlplane.audit import Actor
 from jobs.models import Job, JobState, Worker, WorkerGroup, WorkerState
@@ -96,16 +108,6 @@ def cost_model_for(job: Job) -> MigrationCostModel:
 
 def open_migration(job: Job) -> Migration | None:
     return Migration.objects.filter(job=job, state__in=OPEN_MIGRATION_STATES).order_by("created_at").first()
-
-
-def reserved_device_uids() -> set[str]:
-    """Devices that in-flight migrations will hand out; admission must leave them alone."""
-    uids: set[str] = set()
-    for device_uids in Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).values_list(
-        "device_uids", flat=True
-    ):
-        uids.update(device_uids)
-    return uids
 
 
 # Steps after which the listed workers no longer run on their agents, though the database lists
@@ -196,6 +198,15 @@ def create_migration(
     """Plan ``decision`` and start it. The caller holds the job's row lock. Raises PlanError."""
     migration_id = f"m{job.pk}-{decision_row.pk}"
     plan = plan_migration(decision, graph, modelled_costs(job), migration_id=migration_id)
+    # Devices from the free pool are reserved now and handed out only at the commit, so neither
+    # admission nor another job's tick can take them meanwhile.
+    owned = set(
+        Device.objects.filter(uid__in=decision.device_ids, worker__isnull=False).values_list("uid", flat=True)
+    )
+    try:
+        reserve_devices([u for u in decision.device_ids if u not in owned], migration_id=migration_id)
+    except DevicesNoLongerFree as exc:
+        raise PlanError(str(exc)) from exc
     strategies = "+".join(s for s in (decision.donor_strategy, decision.recipient_strategy) if s)
     migration = Migration.objects.create(
         migration_id=migration_id,
@@ -556,6 +567,7 @@ def _finish(migration: Migration, plan: MigrationPlan, execution: PlanExecution)
         _set_state(migration, MigrationState.ROLLING_BACK)
     committed = set(execution.committed_groups)
     _apply_ownership(migration, plan, committed)
+    end_reservations(migration.migration_id)
     # Rows follow the execution's final view (skipped, rolled back).
     for step_id, state in execution.states().items():
         row = MigrationStep.objects.filter(step_id=step_id).first()
@@ -604,11 +616,17 @@ def _apply_ownership(migration: Migration, plan: MigrationPlan, committed: set[s
             worker = Worker.objects.create(
                 group=group, name=worker_name, state=WorkerState.RUNNING, started_at=timezone.now()
             )
+            # Only devices this migration may hand out: the donor's (released above) or the ones it
+            # reserved; a device another job owns is never taken over.
+            on_device = Device.objects.filter(uid__in=device_ids).filter(
+                Q(worker__isnull=True) | Q(worker__group__job=migration.job)
+            )
             # A device on a lost node stays lost, owned, until its node comes back.
-            on_device = Device.objects.filter(uid__in=device_ids)
-            on_device.filter(node__status=NodeStatus.LOST).update(worker=worker, status=DeviceStatus.LOST)
+            on_device.filter(node__status=NodeStatus.LOST).update(
+                worker=worker, status=DeviceStatus.LOST, reserved_by=""
+            )
             on_device.exclude(node__status=NodeStatus.LOST).update(
-                worker=worker, status=DeviceStatus.ALLOCATED
+                worker=worker, status=DeviceStatus.ALLOCATED, reserved_by=""
             )
     del devices  # locked for the transaction's duration
 

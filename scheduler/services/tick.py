@@ -19,7 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 import scheduler.telemetry as telemetry
-from agents.models import Device, DeviceStatus, NodeStatus, offering
+from agents.selectors import free_devices
 from controlplane import audit, events
 from controlplane.audit import Actor
 from jobs.models import Job, JobReason, JobState
@@ -102,7 +102,7 @@ def run_tick(job_id: int) -> Tick | None:
             )
             policy.load_state(job.policy_state.get("policy", {}))
             driver = SerialDriver(policy, SerialDriver.queued_from_json(job.policy_state.get("queued", [])))
-            free = [core_device(d) for d in _free_devices(job.backend)]
+            free = [core_device(d) for d in free_devices(job.backend)]
             decision = driver.next_decision(graph, signals, free, now.timestamp())
             policy_ms = (time.perf_counter() - policy_started) * 1000
             outcome = "no_change"
@@ -176,23 +176,6 @@ def _predictor(
             for gpus, rate, at in rows:
                 predictor.observe(group_id, kinds[group_id], gpus, rate, at)
     return predictor
-
-
-def _free_devices(backend: str) -> list[Device]:
-    """Free devices a job of ``backend`` may grow into: only on nodes whose agent runs it."""
-    reserved = migrations.reserved_device_uids()
-    return [
-        d
-        for d in Device.objects.filter(
-            offering(backend, via="node__"),
-            status=DeviceStatus.FREE,
-            worker__isnull=True,
-            node__status=NodeStatus.READY,
-        )
-        .select_related("node")
-        .order_by("node__name", "index")
-        if d.uid not in reserved
-    ]
 
 
 def _start(
