@@ -44,7 +44,7 @@ pytest: $(INSTALLED)
 
 # Every policy on the same traces; prints the table recorded in BENCHMARKS.md (about 8 minutes).
 bench: $(INSTALLED)
-	$(BIN)/python -m scheduler.bench
+	$(BIN)/python -m bench.policies
 
 clean-data:
 	rm -rf .dynarl

@@ -1,10 +1,10 @@
 """Scheduling policies compared on the live stack: one job spec, run to its last iteration under
 each policy, each on its own fresh and identical set of simulated nodes.
 
-    python -m scheduler.load_bench --compare static-disaggregated,dynarl --nodes 8 --iterations 5
-    python -m scheduler.load_bench --compare static-disaggregated,dynarl --spec job.yaml --hardware H100
+    python -m bench.load --compare static-disaggregated,dynarl --nodes 8 --iterations 5
+    python -m bench.load --compare static-disaggregated,dynarl --spec job.yaml --hardware H100
 
-The control plane comes up once as deployed (``scheduler.load_bench.ControlPlane``). Then, one policy
+The control plane comes up once as deployed (``bench.stack.ControlPlane``). Then, one policy
 after the other: ``--nodes`` agents (the real daemon, ``sim`` backend, the same seed, hardware and
 speed every time) register under a fresh name prefix; the job is submitted with only its name and
 policy changed; the benchmark waits until the job has finished, reads what it did from the database,
@@ -36,12 +36,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from scheduler.load_bench import (
+from bench.specs import job_spec
+from bench.stack import (
     AgentFleet,
     ControlPlane,
+    Run,
     bootstrap,
+    cleanup,
     database_ready,
-    job_spec,
     server_problems,
     setup_django,
     wait_for,
@@ -78,7 +80,7 @@ class PolicyRun:
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``python -m scheduler.load_bench --compare A,B``: check the arguments, run, print."""
+    """``python -m bench.load --compare A,B``: check the arguments, run, print."""
     policies = [p.strip() for p in args.compare.split(",") if p.strip()]
     from scheduler.core.policies import POLICY_NAMES
 
@@ -220,7 +222,6 @@ def run_policy(
     from jobs.models import Job, JobState
     from jobs.services import submit_job
     from scheduler import progress
-    from scheduler.telemetry_bench import Run, cleanup
 
     began = time.monotonic()
     cluster = Run(tag=tag, hardware=hardware, bootstrap_raw=secrets.token_urlsafe(24))
@@ -283,10 +284,10 @@ def run_policy(
 
 def refuse_foreign_free_devices(tag: str, spec: Mapping[str, Any]) -> None:
     """Other ready nodes' free GPUs the job could run on would change what it measures."""
-    from agents.models import Device, DeviceStatus, NodeStatus
+    from agents.selectors import free_devices
 
     components = list(spec.get("components", []))
-    free = Device.objects.filter(status=DeviceStatus.FREE, worker__isnull=True, node__status=NodeStatus.READY)
+    free = free_devices()
     free = free.exclude(node__name__startswith=f"{tag}-")
     if all(c.get("hardware") for c in components):  # otherwise a component accepts any type
         free = free.filter(hardware__in={kind for c in components for kind in c["hardware"]})

@@ -1,8 +1,8 @@
 """The scale benchmark: many simulated GPU hosts against one control plane, the whole loop live.
 
-    python -m scheduler.load_bench                                  # 128 nodes x 8 GPUs, 4 jobs, 120 s
-    python -m scheduler.load_bench --nodes 2 --jobs 1 --gpus-per-job 8 --duration 5   # a smoke run
-    python -m scheduler.load_bench --compare static-disaggregated,dynarl   # policies, live
+    python -m bench.load                                  # 128 nodes x 8 GPUs, 4 jobs, 120 s
+    python -m bench.load --nodes 2 --jobs 1 --gpus-per-job 8 --duration 5   # a smoke run
+    python -m bench.load --compare static-disaggregated,dynarl   # policies, live
 
 Against the configured DATABASE_URL and REDIS_URL (apply migrations first, or pass --migrate), it
 starts the control plane as deployed: daphne (one process per core on one listening socket of
@@ -18,383 +18,39 @@ migrations made. It prints one table. Everything it created is deleted afterward
 
 With ``--compare`` it runs one job spec under each named policy instead, on the same stack, each on
 a fresh, identical set of nodes, one policy after the other, and prints how long each took to
-finish its iterations (``scheduler.live_compare``).
+finish its iterations (``bench.live_compare``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-# --- the agents' side: many daemons in one process (no Django here) -------------------------------
-
-
-def run_agent_host(
-    hosts: list[str],
-    url: str,
-    token_file: Path,
-    state_root: Path,
-    options: dict[str, Any],
-    stats_file: Path,
-    trace_dir: Path | None = None,
-) -> int:
-    """Run one real agent daemon per host on threads until SIGTERM; then write what the
-    heartbeats saw (sent at, latency, samples accepted) to ``stats_file``."""
-    from agents.daemon.client import ControlPlaneClient
-    from agents.daemon.config import AgentConfig, configure_logging
-    from agents.daemon.loop import Agent
-
-    configure_logging("WARNING")
-    beats: list[tuple[float, float, int, int]] = []
-    failures: list[tuple[float, str]] = []
-    lock = threading.Lock()
-
-    class TimedClient(ControlPlaneClient):
-        """The daemon's client, timing each heartbeat it sends."""
-
-        def request(self, method: str, path: str, **kwargs: Any) -> Any:
-            if path != HEARTBEAT_PATH:
-                return super().request(method, path, **kwargs)
-            sent, began = time.time(), time.perf_counter()
-            try:
-                reply = super().request(method, path, **kwargs)
-            except Exception as exc:
-                with lock:
-                    failures.append((sent, type(exc).__name__))
-                raise
-            latency_ms = (time.perf_counter() - began) * 1000
-            with lock:
-                beats.append(
-                    (
-                        sent,
-                        latency_ms,
-                        int(reply.get("accepted_devices", 0)),
-                        int(reply.get("accepted_samples", 0)),
-                    )
-                )
-            return reply
-
-    class HostedAgent(Agent):
-        """An agent among many in this process: the process's signal handler stops them all."""
-
-        def __init__(self, config: AgentConfig) -> None:
-            super().__init__(config)
-            self.client = TimedClient(config.url, user_agent=self.client.user_agent)
-
-        def install_signal_handlers(self) -> None:
-            pass
-
-    bootstrap = token_file.read_text().strip()
-    agents = [
-        HostedAgent(
-            AgentConfig(
-                url=url,
-                bootstrap_token=bootstrap,
-                backend="sim",
-                host=host,
-                state_dir=state_root / host,
-                backend_options=options,
-                nvml=False,
-                log_level="WARNING",
-                shutdown_grace_s=5.0,
-                trace_dir=trace_dir,
-            )
-        )
-        for host in hosts
-    ]
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    threads = [threading.Thread(target=agent.run, name=agent.config.host, daemon=True) for agent in agents]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.02)  # not all registrations in the same instant
-    stop.wait()
-    for agent in agents:
-        agent.stopping.set()
-    for thread in threads:
-        thread.join(30)
-    with lock:
-        stats_file.write_text(json.dumps({"beats": beats, "failures": failures}))
-    return 0
-
-
-# --- the control plane's side ---------------------------------------------------------------------
-
-
-def job_spec(tag: str, index: int, hardware: str, gpus: int, speed_iterations: int) -> dict[str, Any]:
-    """A math-RL job under dynarl whose rollout drains into a long tail every iteration."""
-    actor = max(1, gpus // 4)
-    return {
-        "name": f"{tag}-job{index}",
-        "model": {"name": "load-1.5b", "params_b": 1.5},
-        "workload": {
-            "kind": "math",
-            "iterations": speed_iterations,
-            "prompts_per_iteration": 32 * gpus,
-            "samples_per_prompt": 8,
-            "max_new_tokens": 8192,
-        },
-        "components": [
-            {
-                "name": "rollout",
-                "kind": "rollout",
-                "workers": gpus - actor,
-                "min_workers": 1,
-                "hardware": [hardware],
-            },
-            {
-                "name": "actor",
-                "kind": "actor",
-                "workers": actor,
-                "min_workers": 1,
-                "max_workers": gpus - 1,
-                "depends_on": ["rollout"],
-                "hardware": [hardware],
-            },
-        ],
-        "policy": {"name": "dynarl", "params": {"u_low": 0.2, "sustain_s": 3.0, "cooldown_s": 10.0}},
-    }
-
-
-def start_celery(kind: str, workdir: Path, tag: str, concurrency: int) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "celery", "-A", "controlplane", kind, "--loglevel", "WARNING"]
-    if kind == "worker":
-        args += [
-            "--concurrency",
-            str(concurrency),
-            "--hostname",
-            f"{tag}@%h",
-            "--without-mingle",
-            "--without-gossip",
-        ]
-    else:
-        args += ["--schedule", str(workdir / "celerybeat-schedule")]
-    log = open(workdir / f"{kind}.log", "wb")  # noqa: SIM115 - the process holds it until it ends
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
-    return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-def wait_for(
-    predicate: Any, timeout_s: float, what: str, processes: Sequence[subprocess.Popen[bytes]], workdir: Path
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if any(p.poll() is not None for p in processes):
-            raise SystemExit(f"a process ended while waiting for {what}; its logs are in {workdir}")
-        time.sleep(0.5)
-    raise SystemExit(f"timed out after {timeout_s:g} s waiting for {what}; logs in {workdir}")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    from scheduler.telemetry_bench import percentile as pick
-
-    return pick(values, q)
-
-
-class ControlPlane:
-    """The control plane as deployed, for the length of a benchmark: daphne (``servers`` processes
-    on one listening socket of a free port of 127.0.0.1), a Celery worker and Celery beat, against
-    the configured database and broker. Their logs go to ``workdir``."""
-
-    def __init__(self, workdir: Path, tag: str, servers: int, worker_concurrency: int) -> None:
-        from scheduler.telemetry_bench import listening_socket
-
-        self.workdir = workdir
-        self.tag = tag
-        self.server_count = servers
-        self.worker_concurrency = worker_concurrency
-        self.sock = listening_socket()
-        self.port = int(self.sock.getsockname()[1])
-        self.server_log = open(workdir / "daphne.log", "w+b")  # noqa: SIM115 - closed by stop()
-        self.servers: list[subprocess.Popen[bytes]] = []
-        self.celery: list[subprocess.Popen[bytes]] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
-        return [*self.servers, *self.celery]
-
-    def start(self) -> None:
-        from scheduler.telemetry_bench import start_servers
-
-        self.servers = start_servers(self.sock, self.server_count, self.server_log)
-        self.celery = [
-            start_celery("worker", self.workdir, self.tag, self.worker_concurrency),
-            start_celery("beat", self.workdir, self.tag, 0),
-        ]
-
-    def stop(self) -> list[str]:
-        """Stop every process; return the servers' log, line by line."""
-        from scheduler.telemetry_bench import stop_servers
-
-        for proc in self.celery:
-            stop_process(proc)
-        stop_servers(self.servers)
-        self.sock.close()
-        self.server_log.seek(0)
-        logged = self.server_log.read().decode(errors="replace").splitlines()
-        self.server_log.close()
-        return logged
-
-
-def server_problems(logged: Sequence[str]) -> list[str]:
-    return [line for line in logged if " ERROR " in line or "Traceback" in line]
-
-
-class AgentFleet:
-    """The real agent daemon with the ``sim`` backend for each of ``hosts``, the hosts shared among
-    at most ``processes`` processes (this module run with ``--agent-host``)."""
-
-    def __init__(
-        self,
-        hosts: Sequence[str],
-        *,
-        url: str,
-        token_file: Path,
-        workdir: Path,
-        gpus: int,
-        hardware: str,
-        speed: float,
-        seed: int,
-        processes: int,
-        label: str = "agents",
-        trace_dir: Path | None = None,
-    ) -> None:
-        self.hosts = list(hosts)
-        self.trace_dir = trace_dir  # the agents' --trace-dir
-        self.url = url
-        self.token_file = token_file
-        self.workdir = workdir
-        self.options = {"gpus": gpus, "hardware": hardware, "speed": speed, "seed": seed}
-        self.shares = max(1, min(processes, len(self.hosts)))
-        self.label = label
-        self.running: list[tuple[subprocess.Popen[bytes], Path]] = []
-
-    @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
-        return [proc for proc, _ in self.running]
-
-    def start(self) -> None:
-        for p in range(self.shares):
-            stats = self.workdir / f"{self.label}-{p}.json"
-            log = open(self.workdir / f"{self.label}-{p}.log", "wb")  # noqa: SIM115 - the process holds it
-            command = [
-                sys.executable, "-m", "scheduler.load_bench", "--agent-host",
-                "--url", self.url, "--token-file", str(self.token_file),
-                "--state-root", str(self.workdir / self.label), "--stats-file", str(stats),
-                "--hosts", ",".join(self.hosts[p :: self.shares]),
-                "--gpus", str(self.options["gpus"]), "--hardware", str(self.options["hardware"]),
-                "--speed", str(self.options["speed"]), "--seed", str(self.options["seed"]),
-            ]  # fmt: skip
-            if self.trace_dir is not None:
-                command += ["--trace-dir", str(self.trace_dir)]
-            self.running.append(
-                (subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT), stats)
-            )
-
-    def stop(self, grace_s: float = 90.0) -> None:
-        """Ask every agent to stop (each then writes its heartbeat figures) and wait for them."""
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.processes:
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-    def kill(self) -> None:
-        for proc in self.processes:
-            stop_process(proc)
-
-    def heartbeats(self) -> tuple[list[list[Any]], list[list[Any]]]:
-        """(sent at, latency ms, GPU readings, worker samples) of every heartbeat that was answered,
-        (sent at, error) of every one that failed."""
-        beats: list[list[Any]] = []
-        failures: list[list[Any]] = []
-        for _, stats in self.running:
-            if stats.exists():
-                data = json.loads(stats.read_text())
-                beats += data["beats"]
-                failures += data["failures"]
-        return beats, failures
-
-
-def database_ready(migrate: bool) -> bool:
-    """Apply migrations when asked; otherwise say so and refuse when some are missing."""
-    from django.core.management import call_command
-    from django.db import connection
-    from django.db.migrations.executor import MigrationExecutor
-
-    if migrate:
-        call_command("migrate", verbosity=0)
-        return True
-    executor = MigrationExecutor(connection)
-    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
-        print(
-            "the configured database has unapplied migrations; run migrate or pass --migrate", file=sys.stderr
-        )
-        return False
-    return True
-
-
-def bootstrap(run: Any, workdir: Path) -> Path:
-    """Record the run's bootstrap token and write it where its agents read it."""
-    from agents.models import BootstrapToken
-    from controlplane.models import hash_token
-
-    BootstrapToken.objects.create(name=run.tag, key_hash=hash_token(run.bootstrap_raw))
-    token_file = workdir / f"{run.tag}-bootstrap-token"
-    token_file.write_text(run.bootstrap_raw)
-    token_file.chmod(0o600)
-    return token_file
-
-
-def setup_django() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    import django
-
-    django.setup()
+from bench import live_compare
+from bench.specs import job_spec
+from bench.stack import (
+    AgentFleet,
+    ControlPlane,
+    Run,
+    bootstrap,
+    cleanup,
+    database_ready,
+    percentile,
+    server_problems,
+    setup_django,
+    table,
+    wait_for,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m scheduler.load_bench", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--nodes", type=int, default=None, help="nodes (default 128; 8 per policy with --compare)"
     )
@@ -414,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--seed", type=int, default=0, help="the sim agents' trace seed (all agents share it)"
     )
-    compare = parser.add_argument_group("comparing policies (scheduler.live_compare)")
+    compare = parser.add_argument_group("comparing policies (bench.live_compare)")
     compare.add_argument(
         "--compare",
         metavar="POLICY,POLICY",
@@ -432,28 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write what each policy's job did (ticks, decisions, migrations, telemetry) to DIR/<policy>.json",
     )
     compare.add_argument("--timeout", type=float, default=1800.0, help="wall seconds a policy's job may take")
-    # The agents' processes run this module again with these:
-    parser.add_argument("--agent-host", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--url", help=argparse.SUPPRESS)
-    parser.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--state-root", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--stats-file", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--hosts", help=argparse.SUPPRESS)
-    parser.add_argument("--trace-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.agent_host:
-        return run_agent_host(
-            args.hosts.split(","),
-            args.url,
-            args.token_file,
-            args.state_root,
-            {"gpus": args.gpus, "hardware": args.hardware, "speed": args.speed, "seed": args.seed},
-            args.stats_file,
-            args.trace_dir,
-        )
     if args.compare:
-        from scheduler import live_compare
-
         return live_compare.run(parser, args)
     args.nodes = 128 if args.nodes is None else args.nodes
     args.speed = 4.0 if args.speed is None else args.speed
@@ -474,7 +110,6 @@ def measure(args: argparse.Namespace) -> int:
     from jobs.services import submit_job
     from scheduler import progress
     from scheduler.models import Migration, SchedulingDecision, Tick
-    from scheduler.telemetry_bench import Run, cleanup, table
 
     if not database_ready(args.migrate):
         return 2

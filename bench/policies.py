@@ -1,8 +1,8 @@
 """The scheduling benchmark: every policy on the same traces, one table.
 
-    python -m scheduler.bench                       # everything (see BENCHMARKS.md for a run)
-    python -m scheduler.bench --workload math-7B-64 --policy dynarl --iterations 3
-    python -m scheduler.bench --trace my-trace.jsonl --gpus 128 --json
+    python -m bench.policies                       # everything (see BENCHMARKS.md for a run)
+    python -m bench.policies --workload math-7B-64 --policy dynarl --iterations 3
+    python -m bench.policies --trace my-trace.jsonl --gpus 128 --json
 
 Per workload and policy: tokens/s, the ratio to the two static baselines (static-colocated, the
 verl-like one, and static-disaggregated, the RLinf-like one), the share of the oracle bound,
@@ -69,7 +69,7 @@ class Run:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scheduler.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--workload", action="append", help=f"repeatable; default: {', '.join(BENCH_WORKLOADS)}"
     )
@@ -165,7 +165,7 @@ def run_benchmark(args: argparse.Namespace, log: Any = sys.stderr) -> dict[str, 
         except Exception as exc:
             latency_error = f"{type(exc).__name__}: {exc}"
     return {
-        "command": "python -m scheduler.bench " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.policies " + " ".join(sys.argv[1:]),
         "seed": args.seed,
         "selected_policies": selected,
         "runs": [run.to_json() for run in runs],

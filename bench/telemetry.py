@@ -1,7 +1,7 @@
 """The telemetry ingest benchmark: simulated node agents heartbeating into a real ASGI server.
 
-    python -m scheduler.telemetry_bench                  # 128 nodes x 8 GPUs, 1 Hz, 30 s
-    python -m scheduler.telemetry_bench --nodes 16 --duration 10 --clients 8 --no-poll
+    python -m bench.telemetry                  # 128 nodes x 8 GPUs, 1 Hz, 30 s
+    python -m bench.telemetry --nodes 16 --duration 10 --clients 8 --no-poll
 
 Against the configured DATABASE_URL and REDIS_URL (apply migrations first, or pass --migrate),
 it starts daphne on a free port of 127.0.0.1, registers the nodes through the agent protocol,
@@ -22,8 +22,6 @@ import json
 import os
 import random
 import secrets
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,15 +29,21 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import quote
 
 import psutil
 
-HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
+from bench.stack import (
+    HOST,
+    Run,
+    cleanup,
+    listening_socket,
+    percentile,
+    start_servers,
+    stop_servers,
+    table,
+)
 
 # --- a small HTTP/1.1 keep-alive client (the standard library has no asyncio one) -----------------
 
@@ -174,55 +178,6 @@ class Stats:
         self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
 
-def listening_socket() -> socket.socket:
-    """One listening socket on a free port of 127.0.0.1, shared by every server process."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
-    sock.listen(1024)
-    sock.set_inheritable(True)
-    return sock
-
-
-def start_servers(sock: socket.socket, count: int, log: IO[bytes]) -> list[subprocess.Popen[bytes]]:
-    """``count`` daphne processes accepting on ``sock``. A Python process uses one core at most (its
-    interpreter lock), so a server runs one per core, as a deployment would."""
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "LOG_LEVEL": "WARNING"}
-    fd = sock.fileno()
-    args = [sys.executable, "-m", "daphne", "-v", "0", "--fd", str(fd), "controlplane.asgi:application"]
-    procs = [
-        subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
-        for _ in range(count)
-    ]
-    port = sock.getsockname()[1]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            stop_servers(procs)
-            log.seek(0)
-            raise SystemExit(f"daphne exited:\n{log.read().decode(errors='replace')}")
-        try:
-            urllib.request.urlopen(f"http://{HOST}:{port}/api/v1/agent/commands", timeout=1)
-        except urllib.error.HTTPError:
-            time.sleep(2.0)  # 401: one answers; give the others a moment to finish starting
-            return procs
-        except OSError:
-            time.sleep(0.2)
-    stop_servers(procs)
-    raise SystemExit("daphne did not start within 60 s")
-
-
-def stop_servers(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 def postgres_cpu_s(database: str) -> float:
     """CPU seconds used so far by the PostgreSQL sessions of ``database`` on this machine (0 when the
     server runs elsewhere or its processes cannot be read)."""
@@ -235,15 +190,6 @@ def postgres_cpu_s(database: str) -> float:
 
 
 # --- phases ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    tag: str
-    hardware: str
-    bootstrap_raw: str
-    nodes: list[SimNode] = field(default_factory=list)
-    job_ids: list[int] = field(default_factory=list)
 
 
 def prepare(run: Run, port: int, node_count: int, gpus: int, gpus_per_job: int) -> None:
@@ -376,49 +322,11 @@ async def heartbeats(
     return stats
 
 
-def cleanup(run: Run) -> None:
-    from django.contrib.auth import get_user_model
-
-    from agents.models import BootstrapToken, Node
-    from controlplane.models import AuditEvent
-    from jobs.models import Job
-    from scheduler import telemetry
-
-    client = telemetry.redis_client()
-    for job_id in run.job_ids:
-        client.delete(telemetry.window_key(job_id))
-    nodes = list(Node.objects.filter(name__startswith=f"{run.tag}-"))
-    for node in nodes:
-        telemetry.forget_node(node.pk)
-    AuditEvent.objects.filter(actor__startswith=f"agent:{run.tag}-").delete()
-    AuditEvent.objects.filter(object_type="agents.node", object_id__in=[str(n.pk) for n in nodes]).delete()
-    Job.objects.filter(pk__in=run.job_ids).delete()
-    Node.objects.filter(pk__in=[n.pk for n in nodes]).delete()
-    get_user_model().objects.filter(username=f"{run.tag}-owner").delete()
-    BootstrapToken.objects.filter(name=run.tag).delete()
-
-
 # --- the report -----------------------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
-
-def table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(name) for name, _ in rows)
-    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m scheduler.telemetry_bench", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.telemetry", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of heartbeats")

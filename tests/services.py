@@ -6,21 +6,19 @@ import json
 import os
 import resource
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from bench.stack import REPO_ROOT, celery_command, free_port, stop_process_tree, wait_until
 from controlplane.supervise import read_status
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["REPO_ROOT", "celery_process", "free_port", "stop_process_tree", "wait_until"]
 
 
 @contextmanager
@@ -39,56 +37,10 @@ def memory_ceiling(extra_bytes: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
-
-
-def stop_process_tree(
-    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 15
-) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    for child in descendants:
-        with suppress(psutil.NoSuchProcess):
-            child.kill()
-
-
 @contextmanager
 def celery_process(kind: str, env: dict[str, str], workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A real ``celery -A controlplane worker|beat`` process using the given environment."""
-    args = [sys.executable, "-m", "celery", "-A", "controlplane", kind, "--loglevel", "WARNING"]
-    if kind == "worker":
-        args += [
-            "--pool",
-            "solo",
-            "--hostname",
-            f"test-{os.getpid()}@%h",
-            "--without-mingle",
-            "--without-gossip",
-        ]
-    else:
-        args += ["--schedule", str(workdir / "celerybeat-schedule")]
+    args = celery_command(kind, workdir, hostname=f"test-{os.getpid()}@%h")
     log = open(workdir / f"{kind}.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -39,6 +39,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from agents.models import BootstrapToken, Node, NodeStatus
+from bench.stack import daphne_command
 from controlplane.models import ApiToken, hash_token
 from tests.factories import make_user
 from tests.services import REPO_ROOT, celery_process, free_port, stop_process_tree, wait_until
@@ -89,16 +90,7 @@ class LiveServer:
         self.starts += 1
         log = open(self.logs / f"daphne-{self.starts}.log", "wb")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "controlplane.asgi:application",
-            ],
+            daphne_command("-b", "127.0.0.1", "-p", str(self.port), verbosity=1),
             cwd=REPO_ROOT,
             env=self.env,
             stdout=log,

@@ -23,7 +23,7 @@ def test_the_scale_benchmark_prints_its_table_from_a_live_run(service_env: dict[
         [
             sys.executable,
             "-m",
-            "scheduler.load_bench",
+            "bench.load",
             "--nodes",
             "2",
             "--jobs",
@@ -92,7 +92,7 @@ def test_the_policy_comparison_runs_one_spec_under_each_policy_on_its_own_nodes(
     spec_file = tmp_path / "job.json"
     spec_file.write_text(json.dumps(spec))
     command = [
-        sys.executable, "-m", "scheduler.load_bench",
+        sys.executable, "-m", "bench.load",
         "--compare", "static-disaggregated,dynarl", "--spec", str(spec_file),
         "--nodes", "1", "--iterations", "2", "--speed", "20", "--agent-processes", "1",
     ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""``python -m scheduler.bench``: flags, the JSON report and trace replay."""
+"""``python -m bench.policies``: flags, the JSON report and trace replay."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import bench
+from bench import policies as bench
+from scheduler.core import sim
 from scheduler.core.policies import POLICY_NAMES
 from scheduler.core.sim.results import WALL_CLOCK_FIELDS
 
-SAMPLES = Path(bench.__file__).parent / "core" / "sim" / "traces"
+SAMPLES = Path(sim.__file__).parent / "traces"
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
