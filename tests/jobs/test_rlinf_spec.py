@@ -10,8 +10,6 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs import spec as spec_module
-from jobs.rlinf import infer_params_b, is_rlinf_config
 from jobs.spec import (
     ComponentSpec,
     FieldError,
@@ -23,6 +21,8 @@ from jobs.spec import (
     parse_spec,
     parse_spec_file,
 )
+from jobs.spec import policy as spec_policy
+from jobs.spec.rlinf import infer_params_b, is_rlinf_config
 from scheduler.core.hypergraph import ComponentKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -389,8 +389,8 @@ def test_policy_refusals_map_back_to_the_rlinf_key(monkeypatch: pytest.MonkeyPat
                 raise Refusal(param)
         return object()
 
-    registry = spec_module._PolicyRegistry(names=("rlinf-auto", "dynarl"), build=build)
-    monkeypatch.setattr(spec_module, "_policy_registry", lambda: registry)
+    registry = spec_policy.PolicyRegistry(names=("rlinf-auto", "dynarl"), build=build)
+    monkeypatch.setattr(spec_policy, "policy_registry", lambda: registry)
     document = _config(auto_scheduler=True)
     document["algorithm"] = {"n_minibatches": 4}
     document["dynarl"] = {"policy_params": {"u_low": 0.1}}

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs import spec as spec_module
 from jobs.spec import (
     SPEC_VERSION,
     ComponentSpec,
@@ -29,7 +28,9 @@ from jobs.spec import (
     parse_spec,
     parse_spec_file,
 )
+from jobs.spec import policy as spec_policy
 from scheduler.core.hypergraph import ComponentKind, Parallelism
+from scheduler.core.policies import POLICY_NAMES, build_policy
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.*"))
@@ -811,8 +812,8 @@ def test_policy_errors_are_mapped_by_the_param_the_registry_names(monkeypatch: p
             raise _FakeParamError("other", "depth and width cannot both be 2")
         return object()
 
-    registry = spec_module._PolicyRegistry(names=("custom",), build=build)
-    monkeypatch.setattr(spec_module, "_policy_registry", lambda: registry)
+    registry = spec_policy.PolicyRegistry(names=("custom",), build=build)
+    monkeypatch.setattr(spec_policy, "policy_registry", lambda: registry)
     document = _minimal()
     document["policy"] = {"name": "custom", "params": {"depth": 5}}
     assert [(e.path, e.message) for e in _errors(document)] == [("policy.params.depth", "depth too big")]
@@ -829,8 +830,8 @@ def test_policy_errors_are_mapped_by_the_param_the_registry_names(monkeypatch: p
 def test_without_a_registry_names_are_known_and_params_only_type_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    registry = spec_module._PolicyRegistry(names=spec_module.DEFAULT_POLICY_NAMES, build=None)
-    monkeypatch.setattr(spec_module, "_policy_registry", lambda: registry)
+    registry = spec_policy.PolicyRegistry(names=POLICY_NAMES, build=None)
+    monkeypatch.setattr(spec_policy, "policy_registry", lambda: registry)
     document = _minimal()
     document["policy"] = {"name": "bidirectional", "params": {"anything": 3, "flag": True}}
     assert parse_spec(document).policy.params == {"anything": 3, "flag": True}
@@ -841,14 +842,14 @@ def test_without_a_registry_names_are_known_and_params_only_type_checked(
 
 
 def test_the_real_registry_is_used() -> None:
-    registry = spec_module._policy_registry()
-    assert registry.build is not None
-    assert set(registry.names) == set(spec_module.DEFAULT_POLICY_NAMES)
+    registry = spec_policy.policy_registry()
+    assert registry.build is build_policy
+    assert registry.names == POLICY_NAMES
 
 
 def test_spec_module_does_not_import_django() -> None:
     code = (
-        "import sys; import jobs.spec, jobs.rlinf; "
+        "import sys; import jobs.spec, jobs.spec.rlinf; "
         "jobs.spec.parse_spec_file('examples/rlinf-disaggregated.yaml'); "
         "bad = sorted(m for m in sys.modules if m == 'django' or m.startswith('django.')); "
         "print(bad); sys.exit(1 if bad else 0)"

@@ -21,16 +21,12 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Final
 
-from jobs.spec import (
-    _ABSENT,
-    _REPORTED,
-    AGENTIC_ONLY_KEYS,
+from jobs.spec.components import Draft, check_components
+from jobs.spec.errors import Problems, RankError
+from jobs.spec.model import (
     BACKENDS,
     COLOCATED_POLICY,
-    DEFAULT_MAX_TURNS,
-    DEFAULT_TOOL_LATENCY_S,
     JOB_NAME_PATTERN,
-    MAX_GPU_RANKS,
     MAX_TICK_SECONDS,
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -38,21 +34,13 @@ from jobs.spec import (
     JobSpec,
     ModelSpec,
     PolicySpec,
-    RankError,
     WorkloadSpec,
-    _check_components,
-    _check_policy,
-    _describe,
-    _Draft,
-    _Marker,
-    _Problems,
-    _Section,
-    _shown,
-    _suggestion,
-    check_trace,
-    format_gpu_ranks,
-    parse_gpu_ranks,
 )
+from jobs.spec.policy import check_policy
+from jobs.spec.ranks import MAX_GPU_RANKS, format_gpu_ranks, parse_gpu_ranks
+from jobs.spec.sections import ABSENT, REPORTED, Marker, Section
+from jobs.spec.values import describe, shown, suggestion
+from jobs.spec.workload import read_workload
 from scheduler.core.hypergraph import ComponentKind
 
 DEFAULT_GPUS_PER_NODE: Final = 8
@@ -101,7 +89,7 @@ AUTO_PARAM_SOURCES: Final[Mapping[str, str]] = {
     "pre_process_running_fraction": "cluster.preprocess_threshold",
 }
 
-_UNRESOLVED: Final = _Marker("<unresolved>")
+_UNRESOLVED: Final = Marker("<unresolved>")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)\}")
 # "7B", "1.5b", "32B" as a separate token of a model name ("Qwen2.5-7B-Instruct").
 _PARAM_COUNT = re.compile(r"(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)[bB](?![A-Za-z0-9])")
@@ -127,7 +115,7 @@ def _lookup(root: Mapping[Any, Any], dotted: str) -> Any:
     node: Any = root
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
-            return _ABSENT
+            return ABSENT
         node = node[part]
     return node
 
@@ -142,16 +130,16 @@ def _resolve(value: Any, root: Mapping[Any, Any]) -> Any:
         if match is None:
             return _UNRESOLVED
         value = _lookup(root, match.group(1))
-        if value is _ABSENT:
+        if value is ABSENT:
             return _UNRESOLVED
     return _UNRESOLVED  # a reference cycle
 
 
-class _RLinfSection(_Section):
+class _RLinfSection(Section):
     """A section of an RLinf config: references are resolved before a value is checked."""
 
     def __init__(
-        self, data: Mapping[Any, Any], path: str, problems: _Problems, root: Mapping[Any, Any]
+        self, data: Mapping[Any, Any], path: str, problems: Problems, root: Mapping[Any, Any]
     ) -> None:
         super().__init__(data, path, problems)
         self.root = root
@@ -165,15 +153,15 @@ class _RLinfSection(_Section):
         value = _resolve(written, self.root)
         if value is _UNRESOLVED:
             self.fail(
-                key, f"{_shown(written)} is an interpolation dynarl does not evaluate; write the value itself"
+                key, f"{shown(written)} is an interpolation dynarl does not evaluate; write the value itself"
             )
-            return _REPORTED
+            return REPORTED
         return value
 
-    def resolved_or_absent(self, key: str) -> Any:
-        """The resolved value, or ``_ABSENT`` when missing or not evaluable (no problem recorded)."""
+    def peek(self, key: str) -> Any:
+        """The resolved value, or ``ABSENT`` when missing or not evaluable (no problem recorded)."""
         value = _resolve(super().raw(key), self.root)
-        return _ABSENT if value is _UNRESOLVED else value
+        return ABSENT if value is _UNRESOLVED else value
 
     def section(self, key: str) -> _RLinfSection:
         """A nested section, empty when absent (a wrong type is reported, once)."""
@@ -221,7 +209,7 @@ class _RLinfPaths:
     def components(self) -> str:
         return PLACEMENT_PATH
 
-    def field(self, draft: _Draft, name: str) -> str:
+    def field(self, draft: Draft, name: str) -> str:
         entry = self.entry_of.get(draft.name or "")
         return entry.path if entry is not None else PLACEMENT_PATH
 
@@ -244,7 +232,7 @@ class _Overrides:
 
 def translate_rlinf(document: Mapping[Any, Any], *, cluster_gpus: int | None = None) -> JobSpec:
     """Build a ``JobSpec`` from an RLinf config; raises ``SpecError`` naming RLinf key paths."""
-    problems = _Problems()
+    problems = Problems()
     root = _RLinfSection(document, "", problems, document)
     overrides = _read_overrides(root)
     cluster = root.section("cluster")
@@ -283,7 +271,7 @@ def translate_rlinf(document: Mapping[Any, Any], *, cluster_gpus: int | None = N
         policy_params = _auto_params(root, cluster, rollout)
     policy_params = _overlay_policy_params(policy_params, overrides)
 
-    _check_components(
+    check_components(
         drafts,
         policy_name=policy_name,
         cluster_gpus=total_gpus,
@@ -304,7 +292,7 @@ def translate_rlinf(document: Mapping[Any, Any], *, cluster_gpus: int | None = N
             return f"dynarl.policy_params.{param}"
         return AUTO_PARAM_SOURCES.get(param, f"dynarl.policy_params.{param}")
 
-    _check_policy(
+    check_policy(
         policy_name,
         policy_params,
         model_params_b=model.params_b if model is not None else None,
@@ -341,7 +329,7 @@ def _read_overrides(root: _RLinfSection) -> _Overrides:
         for key, value in params_section.data.items():
             if not isinstance(key, str):
                 params_section.problems.add(
-                    params_section.path, f"parameter names must be strings, got {_describe(key)}"
+                    params_section.path, f"parameter names must be strings, got {describe(key)}"
                 )
                 policy_params = None
                 break
@@ -379,7 +367,7 @@ def _read_node_groups(
     for position, item in enumerate(items):
         path = f"{cluster.path_of('node_groups')}[{position}]"
         if not isinstance(item, Mapping):
-            cluster.problems.add(path, f"must be a mapping, got {_describe(item)}")
+            cluster.problems.add(path, f"must be a mapping, got {describe(item)}")
             ok = False
             continue
         entry = cluster.child(item, path)
@@ -392,9 +380,9 @@ def _read_node_groups(
             label = None
         node_ranks: tuple[int, ...] | None = None
         written = entry.raw("node_ranks")
-        if written is _ABSENT:
+        if written is ABSENT:
             entry.fail("node_ranks", "is required")
-        elif written is not _REPORTED:
+        elif written is not REPORTED:
             try:
                 node_ranks = parse_gpu_ranks(
                     written, num_nodes, capacity=f"the cluster's {num_nodes} nodes (cluster.num_nodes)"
@@ -418,14 +406,14 @@ def _read_node_groups(
 def _label(section: _RLinfSection, key: str, *, required: bool = False) -> str | None:
     """A node-group label; YAML reads ``4090`` as an integer, RLinf treats it as a name."""
     value = section.raw(key)
-    if value is _ABSENT:
+    if value is ABSENT:
         if required:
             section.fail(key, "is required")
         return None
-    if value is _REPORTED:
+    if value is REPORTED:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
-        section.fail(key, f"must be a node-group label (a name), got {_describe(value)}")
+        section.fail(key, f"must be a node-group label (a name), got {describe(value)}")
         return None
     return str(value)
 
@@ -435,15 +423,15 @@ def _other_hardware(entry: _RLinfSection) -> str | None:
     ``hardware`` block (robots: its ``type``), a ``hardware_type`` other than accelerators, or
     ``ignore_hardware: true`` (CPU-only). None for GPUs. The GPUs' model is never stated here: it
     is whatever the nodes at those ranks have."""
-    written = entry.resolved_or_absent("hardware")
-    if written is not _ABSENT and written is not None:
+    written = entry.peek("hardware")
+    if written is not ABSENT and written is not None:
         if isinstance(written, Mapping) and isinstance(written.get("type"), str):
             return f"{written['type']} hardware"
         return "non-GPU hardware"
-    hardware_type = entry.resolved_or_absent("hardware_type")
+    hardware_type = entry.peek("hardware_type")
     if isinstance(hardware_type, str) and hardware_type != ACCELERATOR_HARDWARE:
         return f"{hardware_type} hardware"
-    if entry.resolved_or_absent("ignore_hardware") is True:
+    if entry.peek("ignore_hardware") is True:
         return "CPU-only nodes (ignore_hardware)"
     return None
 
@@ -463,7 +451,7 @@ def _read_placement(
     placed_under: dict[str, str] = {}
     for key in placement.data:
         if not isinstance(key, str):
-            placement.problems.add(placement.path, f"component names must be strings, got {_describe(key)}")
+            placement.problems.add(placement.path, f"component names must be strings, got {describe(key)}")
             continue
         names = tuple(part.strip() for part in key.split(","))
         names_ok = True
@@ -471,13 +459,13 @@ def _read_placement(
             if name not in RLINF_COMPONENTS:
                 placement.fail(
                     key,
-                    f"unknown component {_shown(name)}{_suggestion(name, RLINF_COMPONENTS)}; dynarl schedules "
+                    f"unknown component {shown(name)}{suggestion(name, RLINF_COMPONENTS)}; dynarl schedules "
                     f"{', '.join(RLINF_COMPONENTS)}",
                 )
                 names_ok = False
             elif name in placed_under:
                 placement.fail(
-                    key, f"component {name!r} is placed twice (also under {_shown(placed_under[name])})"
+                    key, f"component {name!r} is placed twice (also under {shown(placed_under[name])})"
                 )
                 names_ok = False
             else:
@@ -498,17 +486,17 @@ def _entry_ranks(
     given, as in RLinf. A group names nodes, not a hardware type: no hardware affinity follows.
     """
     value = placement.raw(key)
-    if value is _REPORTED:
+    if value is REPORTED:
         return None
     if not isinstance(value, Mapping):
         return _ranks(placement, key, value, total_gpus, None)
     entry = placement.child(value, placement.path_of(key))
     labels = _group_labels(entry)
     written = entry.raw("placement")
-    if written is _ABSENT:
+    if written is ABSENT:
         entry.fail("placement", "is required in the node-group form (resource ranks within the group)")
         return None
-    if labels is None or written is _REPORTED:
+    if labels is None or written is REPORTED:
         return None
     chosen = _chosen_groups(entry, labels, total_gpus, groups)
     if chosen is None:
@@ -524,12 +512,12 @@ def _entry_ranks(
 
 def _group_labels(entry: _RLinfSection) -> tuple[str, ...] | None:
     """``node_group``: one label, several joined by commas, or a list of labels."""
-    written = entry.resolved_or_absent("node_group")
+    written = entry.peek("node_group")
     if isinstance(written, list):
         labels: list[str] = []
         for item in written:
             if isinstance(item, bool) or not isinstance(item, str | int) or item == "":
-                entry.fail("node_group", f"must list node-group labels (names), got {_describe(item)}")
+                entry.fail("node_group", f"must list node-group labels (names), got {describe(item)}")
                 return None
             labels.append(str(item))
     else:
@@ -574,7 +562,7 @@ def _chosen_groups(
             known = ", ".join(repr(g) for g in groups) or "none"
             entry.fail(
                 "node_group",
-                f"unknown node group {label!r}{_suggestion(label, groups)} (cluster.node_groups: {known})",
+                f"unknown node group {label!r}{suggestion(label, groups)} (cluster.node_groups: {known})",
             )
             return None
         if group.other_hardware is not None:
@@ -622,18 +610,18 @@ def _without_process_ranks(value: Any) -> Any:
             try:
                 parse_gpu_ranks(processes, None)
             except RankError as exc:
-                raise RankError(f"process ranks {_shown(processes.strip())}: {exc}") from exc
+                raise RankError(f"process ranks {shown(processes.strip())}: {exc}") from exc
         resources.append(resource)
     return ",".join(resources)
 
 
-def _drafts(root: _RLinfSection, entries: Sequence[_Placed], entry_of: Mapping[str, _Placed]) -> list[_Draft]:
+def _drafts(root: _RLinfSection, entries: Sequence[_Placed], entry_of: Mapping[str, _Placed]) -> list[Draft]:
     parallelism = _parallelism(root, entry_of)
     kinds = {name: RLINF_COMPONENTS[name] for name in entry_of}
     rollouts = tuple(n for n, k in kinds.items() if k is ComponentKind.ROLLOUT)
     feeders = tuple(n for n, k in kinds.items() if k in (ComponentKind.INFERENCE, ComponentKind.REWARD))
 
-    drafts: list[_Draft] = []
+    drafts: list[Draft] = []
     for entry in entries:
         for name in entry.names:
             kind = kinds[name]
@@ -651,7 +639,7 @@ def _drafts(root: _RLinfSection, entries: Sequence[_Placed], entry_of: Mapping[s
             colocated = tuple(n for names in shares_with for n in names if n != name)
             tp, pp = parallelism.get(name, (1, 1))
             drafts.append(
-                _Draft(
+                Draft(
                     index=len(drafts),
                     name=name,
                     kind=kind,
@@ -695,7 +683,7 @@ def _parallelism(
     return result
 
 
-def _placement_mode(ranks_of: Mapping[str, tuple[int, ...] | None], problems: _Problems) -> str | None:
+def _placement_mode(ranks_of: Mapping[str, tuple[int, ...] | None], problems: Problems) -> str | None:
     """ "colocated" (actor and rollout on the same GPUs) or "disaggregated" (actor, rollout and
     inference pairwise disjoint), as RLinf's model-parallel placement decides; None otherwise."""
     model_parallel = ("actor", "rollout", "inference", "actor_inference")
@@ -735,7 +723,7 @@ def _check_auto_placement(
     ranks_of: Mapping[str, tuple[int, ...] | None],
     mode: str | None,
     total_gpus: int | None,
-    drafts: Sequence[_Draft],
+    drafts: Sequence[Draft],
 ) -> None:
     """RLinf's auto mode: disaggregated, and actor -> rollout -> inference back to back over all GPUs."""
     if mode is None:
@@ -765,7 +753,7 @@ def _check_auto_placement(
             f"needs actor, rollout and inference to cover all {total_gpus} GPUs; they end at GPU {expected_next - 1}",
         )
         return
-    pre_process = cluster.resolved_or_absent("use_pre_process_policy")
+    pre_process = cluster.peek("use_pre_process_policy")
     actor_gpus = ranks_of.get("actor")
     rollout = next((d for d in drafts if d.name == "rollout"), None)
     per_engine = rollout.gpus_per_worker if rollout is not None else None
@@ -854,8 +842,8 @@ def _model(rollout: _RLinfSection, overrides: _Overrides) -> ModelSpec | None:
 
 def _model_name_from_paths(rollout: _RLinfSection) -> str | None:
     candidates = [
-        rollout.resolved_or_absent("model_dir"),
-        rollout.section("model").resolved_or_absent("model_path"),
+        rollout.peek("model_dir"),
+        rollout.section("model").peek("model_path"),
     ]
     for candidate in candidates:
         if isinstance(candidate, str) and candidate.strip():
@@ -865,7 +853,7 @@ def _model_name_from_paths(rollout: _RLinfSection) -> str | None:
     return None
 
 
-def _workload(root: _RLinfSection, overrides: _Overrides, drafts: Sequence[_Draft]) -> WorkloadSpec | None:
+def _workload(root: _RLinfSection, overrides: _Overrides, drafts: Sequence[Draft]) -> WorkloadSpec | None:
     runner = root.section("runner")
     data = root.section("data")
     algorithm = root.section("algorithm")
@@ -890,41 +878,20 @@ def _workload(root: _RLinfSection, overrides: _Overrides, drafts: Sequence[_Draf
     kind = overrides.workload_kind
     if kind is None and not section.has("workload_kind"):
         kind = "agentic" if tool_present else "math"
-    staleness = section.integer("staleness", 0, minimum=0)
-    trace = check_trace(section, section.string("trace", None, nullable=True, max_length=500))
-    max_turns: int | None = None
-    tool_latency_s: float | None = None
-    agentic_ok = True
-    if kind == "agentic":
-        max_turns = section.integer("max_turns", DEFAULT_MAX_TURNS, minimum=1)
-        tool_latency_s = section.number("tool_latency_s", DEFAULT_TOOL_LATENCY_S, minimum=0.0)
-        agentic_ok = max_turns is not None and tool_latency_s is not None
-    elif kind is not None:
-        for key in AGENTIC_ONLY_KEYS:
-            if section.has(key):
-                section.fail(key, f"only applies to agentic workloads (this one is {kind!r})")
-    trace_ok = not section.has("trace") or section.resolved_or_absent("trace") is None or trace is not None
-    values = (kind, iterations, prompts, samples, max_new_tokens, staleness)
-    if any(v is None for v in values) or not agentic_ok or not trace_ok:
-        return None
-    assert kind is not None and iterations is not None and prompts is not None and samples is not None
-    assert max_new_tokens is not None and staleness is not None
-    return WorkloadSpec(
+    return read_workload(
+        section,
         kind=kind,
         iterations=iterations,
         prompts_per_iteration=prompts,
         samples_per_prompt=samples,
         max_new_tokens=max_new_tokens,
-        staleness=staleness,
-        trace=trace,
-        max_turns=max_turns,
-        tool_latency_s=tool_latency_s,
+        not_agentic="only applies to agentic workloads (this one is {kind!r})",
     )
 
 
 def _max_new_tokens(runner: _RLinfSection, data: _RLinfSection, algorithm: _RLinfSection) -> int | None:
     sampling = algorithm.section("sampling_params")
-    if sampling.resolved_or_absent("max_new_tokens") is not _ABSENT:
+    if sampling.peek("max_new_tokens") is not ABSENT:
         return sampling.integer("max_new_tokens", minimum=1)
     # RLinf's configs usually write ${subtract:${runner.seq_length},${data.max_prompt_length}}.
     seq_length = runner.integer("seq_length", None, minimum=1)
@@ -943,8 +910,8 @@ def _job_name(root: _RLinfSection, overrides: _Overrides, model: ModelSpec | Non
     if overrides.section.has("name"):
         return overrides.name
     runner = root.section("runner")
-    experiment = runner.resolved_or_absent("experiment_name")
-    if experiment is not _ABSENT:
+    experiment = runner.peek("experiment_name")
+    if experiment is not ABSENT:
         # A literal experiment name is the job's name; a templated one falls back to the model's.
         return runner.string(
             "experiment_name",
