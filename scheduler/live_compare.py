@@ -216,10 +216,10 @@ def run_policy(
     from django.contrib.auth import get_user_model
 
     from agents.models import Node, NodeStatus
+    from agents.services import progress
     from controlplane.audit import Actor
     from jobs.models import Job, JobState
     from jobs.services import submit_job
-    from scheduler import progress
     from scheduler.telemetry_bench import Run, cleanup
 
     began = time.monotonic()
