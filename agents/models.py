@@ -103,8 +103,9 @@ class Device(models.Model):
 class JobPictureChange(models.Model):
     """One change to what the heartbeat replies of a job's nodes share: the job's iteration, state
     or spec, its groups, its live workers, its open migrations. Database triggers write these
-    rows (migration 0003), so every writer counts, bulk updates included; ``scheduler.progress``
-    keeps each job's picture and rebuilds it only when the job's count of rows has moved."""
+    rows (migration 0003), so every writer counts, bulk updates included;
+    ``agents.services.progress`` keeps each job's picture and rebuilds it only when the job's count
+    of rows has moved."""
 
     job_id = models.BigIntegerField(db_index=True, help_text="no foreign key: kept until the job goes")
 

@@ -7,7 +7,7 @@ run it; making those async-capable removes that.) The database work of every vie
 pool of long-lived threads (``AGENT_DB_THREADS``), which take a connection from the process's
 pool for each call and hand it back after: at most that many of the pool's connections go to
 agents, so heartbeats cannot starve the dashboard and the API. Views only authenticate, decode and
-encode; the work is in ``agents.services``. Errors use the API's one shape:
+encode; the work is in the ``agents.services`` modules. Errors use the API's one shape:
 ``{"error": {"status", "code", "message", "fields": [{"path", "message"}], "request_id"}}``.
 """
 
@@ -29,19 +29,21 @@ from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from agents import services
 from agents.auth import AgentAuthError, authenticate_node, bootstrap_token
 from agents.models import AgentCommand, Device, Node
+from agents.services import delivery, progress, registration, reports
+from agents.services.heartbeat import heartbeat as record_heartbeat
+from agents.services.payloads import InvalidPayload
 from controlplane.audit import current_request_id
 from controlplane.bodies import BodyTooLarge, read_limited
 from controlplane.dbbusy import busy_message, is_database_busy, retry_after_s
 from controlplane.transitions import IllegalTransition
-from scheduler import progress
 from scheduler.services.migrations import StepNotForNode, StepNotFound
 from scheduler.telemetry import FieldError, TelemetryError
 
 log = logging.getLogger(__name__)
 
+PROTOCOL_VERSION = 1
 PROTOCOL_HEADER = "X-Dynarl-Agent-Protocol"
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -107,11 +109,11 @@ def _error_for(exc: Exception) -> JsonResponse | None:
     """The protocol's answer to a known failure; None for anything unexpected (a 500)."""
     if isinstance(exc, AgentAuthError):
         return error_response(401, "not_authenticated", str(exc))
-    if isinstance(exc, services.InvalidPayload | TelemetryError):
+    if isinstance(exc, InvalidPayload | TelemetryError):
         return error_response(400, "invalid", "the request body is invalid", exc.errors)
-    if isinstance(exc, services.NotYourCommand | StepNotForNode):
+    if isinstance(exc, reports.NotYourCommand | StepNotForNode):
         return error_response(403, "permission_denied", str(exc))
-    if isinstance(exc, services.CommandNotFound | StepNotFound):
+    if isinstance(exc, reports.CommandNotFound | StepNotFound):
         return error_response(404, "not_found", f"no such command or step: {exc}")
     if isinstance(exc, BodyTooLarge):
         return error_response(413, "payload_too_large", str(exc))
@@ -139,11 +141,11 @@ def _json_body(request: HttpRequest) -> Any:
     try:
         return json.loads(raw or b"null")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise services.InvalidPayload([FieldError("", f"not valid JSON: {exc}")]) from exc
+        raise InvalidPayload([FieldError("", f"not valid JSON: {exc}")]) from exc
 
 
 def _finish(response: HttpResponse) -> HttpResponse:
-    response[PROTOCOL_HEADER] = str(services.PROTOCOL_VERSION)
+    response[PROTOCOL_HEADER] = str(PROTOCOL_VERSION)
     return response
 
 
@@ -207,7 +209,7 @@ def device_json(device: Device) -> dict[str, Any]:
     }
 
 
-def report_json(outcome: services.ReportOutcome) -> dict[str, Any]:
+def report_json(outcome: reports.ReportOutcome) -> dict[str, Any]:
     command: AgentCommand = outcome.command
     return {
         "command_id": command.command_id,
@@ -225,8 +227,8 @@ def protocol_settings() -> dict[str, Any]:
     return {
         "heartbeat_interval_s": settings.AGENT_HEARTBEAT_INTERVAL_S,
         "lost_after_s": settings.NODE_LOST_AFTER_S,
-        "long_poll_wait_s": services.DEFAULT_WAIT_S,
-        "long_poll_max_wait_s": services.MAX_WAIT_S,
+        "long_poll_wait_s": delivery.DEFAULT_WAIT_S,
+        "long_poll_max_wait_s": delivery.MAX_WAIT_S,
         "redeliver_after_s": settings.AGENT_COMMAND_REDELIVER_S,
     }
 
@@ -235,10 +237,10 @@ def protocol_settings() -> dict[str, Any]:
 
 
 def _register(request: HttpRequest, body: Any) -> dict[str, Any]:
-    outcome = services.register(bootstrap_token(request), body)
+    outcome = registration.register(bootstrap_token(request), body)
     devices = Device.objects.filter(pk__in=[d.pk for d in outcome.devices]).select_related("worker")
     return {
-        "protocol": services.PROTOCOL_VERSION,
+        "protocol": PROTOCOL_VERSION,
         "created": outcome.created,
         "token": outcome.token,
         "node": node_json(outcome.node),
@@ -257,7 +259,7 @@ async def register(request: HttpRequest) -> HttpResponse:
 
 def _heartbeat(request: HttpRequest, body: Any) -> dict[str, Any]:
     node = authenticate_node(request)
-    outcome = services.heartbeat(node, body)
+    outcome = record_heartbeat(node, body)
     return {
         **outcome.ingest.to_json(),
         "node_status": outcome.node_status,
@@ -275,14 +277,14 @@ async def heartbeat(request: HttpRequest) -> HttpResponse:
 def _wait_seconds(request: HttpRequest) -> float:
     raw = request.GET.get("wait")
     if raw is None:
-        return services.DEFAULT_WAIT_S
+        return delivery.DEFAULT_WAIT_S
     try:
         wait = float(raw)
     except ValueError:
         wait = math.nan
-    if not math.isfinite(wait) or not 0 <= wait <= services.MAX_WAIT_S:
-        raise services.InvalidPayload(
-            [FieldError("wait", f"must be a number of seconds from 0 to {services.MAX_WAIT_S:g}")]
+    if not math.isfinite(wait) or not 0 <= wait <= delivery.MAX_WAIT_S:
+        raise InvalidPayload(
+            [FieldError("wait", f"must be a number of seconds from 0 to {delivery.MAX_WAIT_S:g}")]
         )
     return wait
 
@@ -291,12 +293,12 @@ def _wait_seconds(request: HttpRequest) -> float:
 async def commands(request: HttpRequest) -> HttpResponse:
     node = await run_db(authenticate_node, request)
     wait = _wait_seconds(request)
-    delivered = await services.wait_for_commands(node, wait, run=run_db)
-    return JsonResponse({"commands": [services.command_json(c) for c in delivered]})
+    delivered = await delivery.wait_for_commands(node, wait, run=run_db)
+    return JsonResponse({"commands": [delivery.command_json(c) for c in delivered]})
 
 
 def _report_command(request: HttpRequest, command_id: str, body: Any) -> dict[str, Any]:
-    return report_json(services.report_command(authenticate_node(request), command_id, body))
+    return report_json(reports.report_command(authenticate_node(request), command_id, body))
 
 
 @agent_view("POST")
@@ -308,8 +310,8 @@ def _report_step(request: HttpRequest, step_id: str, body: Any) -> dict[str, Any
     node = authenticate_node(request)
     attempt = body.get("attempt") if isinstance(body, Mapping) else None
     if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)):
-        raise services.InvalidPayload([FieldError("attempt", "must be an integer")])
-    return report_json(services.report_step(node, step_id, attempt, body))
+        raise InvalidPayload([FieldError("attempt", "must be an integer")])
+    return report_json(reports.report_step(node, step_id, attempt, body))
 
 
 @agent_view("POST")

@@ -218,10 +218,10 @@ def run_policy(
     from django.contrib.auth import get_user_model
 
     from agents.models import Node, NodeStatus
+    from agents.services import progress
     from controlplane.audit import Actor
     from jobs.models import Job, JobState
     from jobs.services import submit_job
-    from scheduler import progress
 
     began = time.monotonic()
     cluster = Run(tag=tag, hardware=hardware, bootstrap_raw=secrets.token_urlsafe(24))

@@ -105,10 +105,10 @@ def measure(args: argparse.Namespace) -> int:
     from django.utils import timezone
 
     from agents.models import AgentCommand, CommandState, Node, NodeStatus
+    from agents.services import progress
     from controlplane.audit import Actor
     from jobs.models import Job, JobState
     from jobs.services import submit_job
-    from scheduler import progress
     from scheduler.models import Migration, SchedulingDecision, Tick
 
     if not database_ready(args.migrate):

@@ -10,7 +10,7 @@ onto it, serialises access, and injects faults (``agents/backends/sim_faults.py`
 
 Agents of one job coordinate through the control plane only: they report their part of each
 iteration in the heartbeat (``telemetry().jobs``) and learn the global picture from the heartbeat
-reply (``observe_control``), both shaped by ``scheduler.progress``. See docs/sim-backend.md.
+reply (``observe_control``), both shaped by ``agents.services.progress``. See docs/sim-backend.md.
 
 This module must not import Django: agents run on GPU hosts with a slim install.
 """
@@ -322,8 +322,9 @@ class SimBackend:
             return Telemetry(devices=devices, workers=workers, jobs=self._sim.progress_entries())
 
     def observe_control(self, reply: Mapping[str, Any]) -> None:
-        """The heartbeat reply, or just its ``jobs`` section (``scheduler.progress.reply_for``).
-        The registration reply works too: its ``jobs`` (job id -> spec) are kept for later launches."""
+        """The heartbeat reply, or just its ``jobs`` section
+        (``agents.services.progress.reply_for``). The registration reply works too: its ``jobs``
+        (job id -> spec) are kept for later launches."""
         section = reply.get("jobs", reply) if isinstance(reply, Mapping) else {}
         if not isinstance(section, Mapping):
             return

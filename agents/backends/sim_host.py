@@ -119,7 +119,8 @@ class PartitionView:
 
 @dataclass
 class JobView:
-    """The control plane's picture of a job, from the heartbeat reply (``scheduler.progress``)."""
+    """The control plane's picture of a job, from the heartbeat reply
+    (``agents.services.progress``)."""
 
     iteration: int
     state: str

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-# What the control plane accepts as a node name (agents.services.HOST_NAME): checked here too so a
-# bad host name is refused before the agent starts, not at every registration attempt.
+# What the control plane accepts as a node name (agents.services.registration.HOST_NAME): checked
+# here too so a bad host name is refused before the agent starts, not at every registration attempt.
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -439,7 +439,7 @@ def test_a_node_back_from_lost_registers_again_and_reconciles(agent: AgentProces
     from datetime import timedelta
 
     from agents.models import release_devices
-    from agents.services import mark_node_lost
+    from agents.services.liveness import mark_node_lost
 
     agent.start()
     node = registered(agent)

@@ -12,8 +12,8 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import Settings
 
-from agents import services
 from agents.models import Device, DeviceStatus, Node, NodeStatus
+from agents.services import liveness
 from controlplane.api.cluster import cluster_summary
 from controlplane.api.serializers import ClusterSummarySerializer
 from controlplane.audit import Actor
@@ -70,7 +70,7 @@ def test_silent_node_is_marked_lost_and_its_groups_flagged(cluster: tuple[dict[s
     silence(lost_name, 31)
     silence("node-c" if lost_name != "node-c" else "node-b", 29)  # late, but not yet lost
 
-    assert services.detect_lost_nodes() == [lost_name]
+    assert liveness.detect_lost_nodes() == [lost_name]
 
     lost = Node.objects.get(name=lost_name)
     assert lost.status == NodeStatus.LOST and "no heartbeat for" in lost.status_reason
@@ -85,7 +85,7 @@ def test_silent_node_is_marked_lost_and_its_groups_flagged(cluster: tuple[dict[s
     assert all(lost_name in g.flag_reason for g in WorkerGroup.objects.filter(flagged=True))
     event = AuditEvent.objects.get(verb="node.lost")
     assert event.actor == "liveness" and event.payload["previous_status"] == NodeStatus.READY
-    assert services.detect_lost_nodes() == []  # already lost: nothing more to do
+    assert liveness.detect_lost_nodes() == []  # already lost: nothing more to do
 
 
 def event_devices_lost() -> int:
@@ -96,7 +96,7 @@ def test_free_devices_of_a_lost_node_are_lost(client: Client, bootstrap: str, se
     settings.NODE_LOST_AFTER_S = 30.0
     register(client, bootstrap, "node-idle", gpus=2)
     silence("node-idle", 60)
-    assert services.detect_lost_nodes() == ["node-idle"]
+    assert liveness.detect_lost_nodes() == ["node-idle"]
     assert set(Device.objects.values_list("status", flat=True)) == {DeviceStatus.LOST}
 
 
@@ -108,7 +108,7 @@ def test_lost_node_rolls_back_its_migration(cluster: tuple[dict[str, Agent], Job
     step_nodes = set(migration.steps.get(state="running").nodes)
     victim = sorted(step_nodes)[0]
     silence(victim, 120)
-    assert services.detect_lost_nodes() == [victim]
+    assert liveness.detect_lost_nodes() == [victim]
     run_everywhere({h: a for h, a in agents.items() if h != victim})
     migration.refresh_from_db()
     assert migration.state in (MigrationState.ROLLED_BACK, MigrationState.FAILED)
@@ -121,7 +121,7 @@ def test_heartbeat_brings_a_lost_node_back(cluster: tuple[dict[str, Agent], Job]
     victim = sorted(n for n in agents if groups_on(n, job))[0]
     owners = dict(Device.objects.filter(node__name=victim).values_list("uid", "worker__name"))
     silence(victim, 120)
-    services.detect_lost_nodes()
+    liveness.detect_lost_nodes()
     assert WorkerGroup.objects.filter(flagged=True).exists()
 
     reply = agents[victim].heartbeat({"sent_at": time.time()}).json()
@@ -142,7 +142,7 @@ def test_a_drained_node_comes_back_drained(client: Client, bootstrap: str, setti
     agent, _ = register(client, bootstrap, "node-d", gpus=1)
     Node.objects.filter(name="node-d").update(status=NodeStatus.DRAINED)
     silence("node-d", 60)
-    services.detect_lost_nodes()
+    liveness.detect_lost_nodes()
     assert Node.objects.get(name="node-d").status == NodeStatus.LOST
     assert agent.heartbeat({"sent_at": time.time()}).json()["node_status"] == NodeStatus.DRAINED
 
@@ -173,7 +173,7 @@ def test_lost_gpus_are_reported_never_admitted_and_come_back_free(
     victim = sorted(n for n in agents if groups_on(n, job))[0]
     owned = Device.objects.filter(node__name=victim, worker__isnull=False).count()
     silence(victim, 120)
-    assert services.detect_lost_nodes() == [victim]
+    assert liveness.detect_lost_nodes() == [victim]
 
     gpus = summary()["gpus"]
     # 12 GPUs: the job's 8, four free; all four of the victim's are lost now, owned or not.

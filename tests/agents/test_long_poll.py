@@ -17,8 +17,8 @@ import pytest
 import redis
 from django.conf import settings
 
-from agents import services
 from agents.models import AgentCommand, Node
+from agents.services import delivery
 from controlplane.models import AuditEvent
 from tests.agents.conftest import register
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
@@ -79,7 +79,7 @@ def call(
 
 
 def wake_subscribers() -> int:
-    return int(redis.Redis.from_url(settings.REDIS_URL).pubsub_numsub(services.WAKE_CHANNEL)[0][1])
+    return int(redis.Redis.from_url(settings.REDIS_URL).pubsub_numsub(delivery.WAKE_CHANNEL)[0][1])
 
 
 def test_long_poll_returns_as_soon_as_a_command_is_queued(client: Any, bootstrap: str, server: str) -> None:

@@ -359,7 +359,7 @@ def test_a_node_lost_after_the_switch_is_skipped_and_the_migration_commits(runni
 
 
 def test_workers_an_open_migration_released_are_not_expected_on_their_node(running_job: Job) -> None:
-    from agents.services import expected_workers
+    from agents.services.registration import expected_workers
 
     migration = migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
@@ -379,7 +379,7 @@ def test_workers_an_open_migration_released_are_not_expected_on_their_node(runni
 
 
 def test_new_workers_past_the_switch_are_expected_on_their_node_before_the_commit(running_job: Job) -> None:
-    from agents.services import expected_workers
+    from agents.services.registration import expected_workers
 
     migration = migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)

@@ -1,7 +1,8 @@
 """A control plane in miniature for backend tests without Django: it launches workers on
 SimBackends, keeps each node's latest progress report, and answers with the heartbeat reply's
-``jobs`` section as ``scheduler.progress.reply_for`` builds it (frozen partitions per iteration,
-claims, sums of completed samples, the job's iteration advanced once every actor node trained)."""
+``jobs`` section as ``agents.services.progress.reply_for`` builds it (frozen partitions per
+iteration, claims, sums of completed samples, the job's iteration advanced once every actor node
+trained)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Job progress through the control plane (``scheduler.progress``), against real PostgreSQL and Redis,
-and sim agents coordinated by it."""
+"""Job progress through the control plane (``agents.services.progress``), against real PostgreSQL
+and Redis, and sim agents coordinated by it."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from django.utils import timezone
 from agents.backends.base import StepFailed
 from agents.backends.sim import ManualClock, SimBackend
 from agents.models import AgentCommand, CommandState, Device, DeviceStatus, Node
+from agents.services import progress
 from controlplane.audit import Actor
 from controlplane.models import AuditEvent
 from jobs.models import Job, Worker, WorkerState
-from scheduler import progress
 from scheduler.models import Migration, MigrationState
 from scheduler.services import migrations
 from scheduler.telemetry import TelemetryError, redis_client

@@ -33,7 +33,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.db.models import Q
 
-from agents.models import Device, Node
+from agents.models import Device, JobPictureChange, Node
 from controlplane import audit
 from controlplane.audit import Actor
 from jobs.models import ACTIVE_JOB_STATES, LIVE_WORKER_STATES, Job, Worker, WorkerGroup
@@ -432,8 +432,6 @@ ORDER BY j.id
 
 
 def _node_jobs_sql() -> str:
-    from agents.models import JobPictureChange
-
     quote = connection.ops.quote_name
     return _NODE_JOBS_SQL.format(
         worker=quote(Worker._meta.db_table),
@@ -458,7 +456,7 @@ def _node_jobs(node: Node) -> list[tuple[int, str, bool, int]]:
                 "node": node.pk,
                 "live": sorted(LIVE_WORKER_STATES),
                 "open": sorted(OPEN_MIGRATION_STATES),
-                # device uids are "<node>/gpu<index>" (agents.services registers them so)
+                # device uids are "<node>/gpu<index>" (registration.register creates them so)
                 "prefix": f"{node.name}/",
             },
         )
