@@ -38,6 +38,7 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	SECRET_KEY=$${SECRET_KEY:-lint-only-secret-key} $(BIN)/mypy
+	$(BIN)/lint-imports
 
 pytest: $(INSTALLED)
 	$(BIN)/pytest

@@ -13,8 +13,9 @@ from django.db import connection
 from django.http import HttpRequest
 from django.utils import timezone
 
-from agents.models import BootstrapToken, Node, NodeToken
-from controlplane.models import hash_token
+from agents.models import BootstrapToken, NodeToken
+from cluster.models import Node
+from common.models import hash_token
 
 NODE_TOKEN_PREFIX = "dynarl_node_"
 

@@ -30,14 +30,14 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from agents.auth import AgentAuthError, authenticate_node, bootstrap_token
-from agents.models import AgentCommand, Device, Node
 from agents.services import delivery, progress, registration, reports
 from agents.services.heartbeat import heartbeat as record_heartbeat
 from agents.services.payloads import InvalidPayload
-from controlplane.audit import current_request_id
-from controlplane.bodies import BodyTooLarge, read_limited
-from controlplane.dbbusy import busy_message, is_database_busy, retry_after_s
-from controlplane.transitions import IllegalTransition
+from cluster.models import AgentCommand, Device, Node
+from common.audit import current_request_id
+from common.bodies import BodyTooLarge, read_limited
+from common.dbbusy import busy_message, is_database_busy, retry_after_s
+from common.transitions import IllegalTransition
 from scheduler.services.migrations import StepNotForNode, StepNotFound
 from scheduler.telemetry import FieldError, TelemetryError
 

@@ -217,9 +217,9 @@ def run_policy(
     afterwards, whatever happened."""
     from django.contrib.auth import get_user_model
 
-    from agents.models import Node, NodeStatus
     from agents.services import progress
-    from controlplane.audit import Actor
+    from cluster.models import Node, NodeStatus
+    from common.audit import Actor
     from jobs.models import Job, JobState
     from jobs.services import submit_job
 
@@ -284,7 +284,7 @@ def run_policy(
 
 def refuse_foreign_free_devices(tag: str, spec: Mapping[str, Any]) -> None:
     """Other ready nodes' free GPUs the job could run on would change what it measures."""
-    from agents.selectors import free_devices
+    from cluster.selectors import free_devices
 
     components = list(spec.get("components", []))
     free = free_devices()
@@ -302,7 +302,7 @@ def refuse_foreign_free_devices(tag: str, spec: Mapping[str, Any]) -> None:
 def describe(job: Any, policy: str, setup_s: float) -> PolicyRun:
     from django.utils import timezone
 
-    from controlplane.models import AuditEvent
+    from common.models import AuditEvent
     from jobs.spec import JobSpec
     from scheduler.models import Migration, MigrationState, SchedulingDecision
 
@@ -392,7 +392,7 @@ def dump_run(job: Any, path: Path) -> None:
     and the per-group telemetry series (the dashboard's own endpoint data)."""
     from rest_framework.renderers import JSONRenderer
 
-    from controlplane.models import AuditEvent
+    from common.models import AuditEvent
     from scheduler.api import TelemetryHistorySerializer
     from scheduler.models import Migration, SchedulingDecision, Tick
     from scheduler.services import history

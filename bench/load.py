@@ -104,9 +104,9 @@ def measure(args: argparse.Namespace) -> int:
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
-    from agents.models import AgentCommand, CommandState, Node, NodeStatus
     from agents.services import progress
-    from controlplane.audit import Actor
+    from cluster.models import AgentCommand, CommandState, Node, NodeStatus
+    from common.audit import Actor
     from jobs.models import Job, JobState
     from jobs.services import submit_job
     from scheduler.models import Migration, SchedulingDecision, Tick

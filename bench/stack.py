@@ -331,7 +331,7 @@ def bootstrap(run: Run, workdir: Path) -> Path:
     """Record the run's bootstrap token and write it where its agents read it."""
     # Django's models load only after setup_django(); the agents' processes import this module too.
     from agents.models import BootstrapToken
-    from controlplane.models import hash_token
+    from common.models import hash_token
 
     BootstrapToken.objects.create(name=run.tag, key_hash=hash_token(run.bootstrap_raw))
     token_file = workdir / f"{run.tag}-bootstrap-token"
@@ -352,19 +352,21 @@ def cleanup(run: Run) -> None:
     # Django's models load only after setup_django(); the agents' processes import this module too.
     from django.contrib.auth import get_user_model
 
-    from agents.models import BootstrapToken, Node
-    from controlplane.models import AuditEvent
+    from agents.models import BootstrapToken
+    from cluster.models import Node
+    from common import redis as common_redis
+    from common.models import AuditEvent
     from jobs.models import Job
     from scheduler import telemetry
 
-    client = telemetry.redis_client()
+    client = common_redis.shared_client()
     for job_id in run.job_ids:
         client.delete(telemetry.window_key(job_id))
     nodes = list(Node.objects.filter(name__startswith=f"{run.tag}-"))
     for node in nodes:
         telemetry.forget_node(node.pk)
     AuditEvent.objects.filter(actor__startswith=f"agent:{run.tag}-").delete()
-    AuditEvent.objects.filter(object_type="agents.node", object_id__in=[str(n.pk) for n in nodes]).delete()
+    AuditEvent.objects.filter(object_type="cluster.node", object_id__in=[str(n.pk) for n in nodes]).delete()
     Job.objects.filter(pk__in=run.job_ids).delete()
     Node.objects.filter(pk__in=[n.pk for n in nodes]).delete()
     get_user_model().objects.filter(username=f"{run.tag}-owner").delete()

@@ -196,7 +196,7 @@ def prepare(run: Run, port: int, node_count: int, gpus: int, gpus_per_job: int) 
     """Register the nodes, fill their GPUs with running jobs' workers."""
     from django.contrib.auth import get_user_model
 
-    from controlplane.audit import Actor
+    from common.audit import Actor
     from jobs.services import submit_job
 
     for i in range(node_count):
@@ -354,8 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from django.db.migrations.executor import MigrationExecutor
     from django.db.models import Count, Sum
 
-    from agents.models import BootstrapToken, Device
-    from controlplane.models import hash_token
+    from agents.models import BootstrapToken
+    from cluster.models import Device
+    from common.models import hash_token
     from scheduler.models import TelemetrySample
 
     if args.migrate:

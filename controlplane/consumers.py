@@ -1,5 +1,5 @@
 """Live events over WebSocket: one job's page (``/ws/jobs/<id>/``) and the cluster overview
-(``/ws/cluster/``), fed by ``controlplane.events.publish`` through the Redis channel layer.
+(``/ws/cluster/``), fed by ``common.events.publish`` through the Redis channel layer.
 
 Protocol. Every frame is a JSON object ``{"type": ..., "at": <ISO time>, "data": {...}}``.
 
@@ -9,7 +9,7 @@ Server to client:
                        it (job: state, latest snapshot id, last decision id, open migration, open
                        alerts; cluster: summary counts).
   ``job.state``, ``snapshot``, ``decision``, ``migration``, ``migration.step``, ``telemetry``,
-  ``alert``            the events of ``controlplane.events.EVENT_TYPES``, as published.
+  ``alert``            the events of ``common.events.EVENT_TYPES``, as published.
   ``pong``             the answer to ``ping``.
   ``error``            a client frame the server does not understand; the socket stays open.
 
@@ -26,122 +26,23 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections import Counter
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.db.models import Count
 from django.utils import timezone
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
-from controlplane import events
-from controlplane.roles import role_of
-from jobs.models import Job, JobState
-from scheduler.models import (
-    OPEN_MIGRATION_STATES,
-    Alert,
-    AlertKind,
-    HypergraphSnapshot,
-    Migration,
-    SchedulingDecision,
-)
+from common import events
+from common.roles import role_of
+from controlplane.selectors import cluster_hello, job_hello
 
 CLOSE_NOT_AUTHENTICATED = 4401
 CLOSE_NO_SUCH_JOB = 4404
 
 
-# --- what a client sees on connect (read-only queries) -------------------------------------------
-
-
 def may_watch(user: Any) -> bool:
     """Viewer and up: every role may read every job's live events."""
     return role_of(user) is not None
-
-
-def alert_json(alert: Alert) -> dict[str, Any]:
-    return {
-        "id": alert.pk,
-        "kind": alert.kind,
-        "subject": alert.subject,
-        "job": alert.job_id,
-        "node": alert.node_id,
-        "message": alert.message,
-        "raised_at": alert.raised_at.isoformat(),
-        "cleared_at": alert.cleared_at.isoformat() if alert.cleared_at else None,
-    }
-
-
-def job_hello(job_id: int) -> dict[str, Any] | None:
-    """The job's current state for a (re)connecting client; None when there is no such job."""
-    job = Job.objects.filter(pk=job_id).first()
-    if job is None:
-        return None
-    snapshot = (
-        HypergraphSnapshot.objects.filter(job=job)
-        .order_by("-taken_at", "-id")
-        .values("id", "taken_at")
-        .first()
-    )
-    decision_id = (
-        SchedulingDecision.objects.filter(job=job).order_by("-at", "-id").values_list("id", flat=True).first()
-    )
-    migration = (
-        Migration.objects.filter(job=job, state__in=OPEN_MIGRATION_STATES)
-        .order_by("-created_at", "-id")
-        .values("id", "migration_id", "state", "strategy", "donor", "recipient")
-        .first()
-    )
-    alerts = Alert.objects.filter(job=job, cleared_at__isnull=True).order_by("-raised_at")
-    return {
-        "scope": "job",
-        "job": {
-            "id": job.pk,
-            "name": job.name,
-            "state": job.state,
-            "state_reason": job.state_reason,
-            "state_detail": job.state_detail,
-            "policy": job.policy,
-            "iteration": job.iteration,
-            "iterations_total": job.iterations_total,
-            "tokens_per_s": job.tokens_per_s,
-            "total_gpus": job.total_gpus,
-        },
-        "latest_snapshot_id": snapshot["id"] if snapshot else None,
-        "latest_snapshot_at": snapshot["taken_at"].isoformat() if snapshot else None,
-        "last_decision_id": decision_id,
-        "open_migration": migration,
-        "open_alerts": [alert_json(a) for a in alerts],
-    }
-
-
-def _counts(rows: Any, field: str, keys: list[str]) -> dict[str, int]:
-    """``{key: count}`` with every key present, zero when no row has it."""
-    counted = Counter({row[field]: row["n"] for row in rows})
-    return {key: int(counted.get(key, 0)) for key in keys}
-
-
-def cluster_hello() -> dict[str, Any]:
-    """Summary counts of the whole cluster for a (re)connecting overview."""
-    jobs = _counts(Job.objects.values("state").annotate(n=Count("id")), "state", list(JobState.values))
-    gpus = _counts(
-        Device.objects.values("status").annotate(n=Count("id")), "status", list(DeviceStatus.values)
-    )
-    nodes = _counts(Node.objects.values("status").annotate(n=Count("id")), "status", list(NodeStatus.values))
-    alerts = _counts(
-        Alert.objects.filter(cleared_at__isnull=True).values("kind").annotate(n=Count("id")),
-        "kind",
-        list(AlertKind.values),
-    )
-    return {
-        "scope": "cluster",
-        "jobs": jobs,
-        "queue_length": jobs[JobState.PENDING],
-        "gpus": gpus,
-        "nodes": nodes,
-        "migrations_in_flight": Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).count(),
-        "open_alerts": alerts,
-    }
 
 
 # --- consumers --------------------------------------------------------------------------------

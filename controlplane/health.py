@@ -13,6 +13,8 @@ import redis
 from django.conf import settings
 from django.db import connection
 
+from common import redis as common_redis
+from controlplane.celery import app
 from controlplane.supervise import RESTARTING, RUNNING, read_status
 
 BEAT_KEY = "dynarl:health:beat"
@@ -31,7 +33,7 @@ class CheckResult:
 
 
 def _redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    return common_redis.client_with_timeout(1.0)
 
 
 def _timed(name: str, check: object) -> CheckResult:
@@ -64,8 +66,6 @@ def check_broker() -> CheckResult:
 
 
 def check_workers() -> CheckResult:
-    from controlplane.celery import app
-
     def run() -> str:
         replies = app.control.ping(timeout=settings.CELERY_WORKER_PING_TIMEOUT)
         if not replies:

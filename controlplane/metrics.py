@@ -59,9 +59,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
-from agents.models import Device, Node, NodeStatus
-from controlplane.api.errors import error_body
-from controlplane.net import address_in, client_ip
+from cluster.models import Device, Node, NodeStatus
+from common import redis as common_redis
+from common.api.errors import error_body
+from common.net import address_in, client_ip
 from jobs.models import Job, JobState
 from scheduler.models import (
     OPEN_MIGRATION_STATES,
@@ -88,7 +89,7 @@ TICK_HIST_KEY = REDIS_PREFIX + "tick:histogram"  # le=<bound> / count / sum -> c
 
 
 def _redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2.0, socket_connect_timeout=2.0)
+    return common_redis.client_with_timeout(2.0)
 
 
 def _text(value: bytes | str) -> str:

@@ -20,9 +20,9 @@ from channels.security.websocket import AllowedHostsOriginValidator
 from django.contrib.auth.models import AnonymousUser
 from django.urls import path
 
-from controlplane.api.authentication import touch
+from common.api.authentication import touch
+from common.models import ApiToken, hash_token
 from controlplane.consumers import ClusterEventsConsumer, JobEventsConsumer
-from controlplane.models import ApiToken, hash_token
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.http import HttpRequest
 
-from controlplane.roles import Role, role_of
+from common.roles import Role, role_of
 
 
 def role(request: HttpRequest) -> dict[str, Any]:

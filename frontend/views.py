@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_POST
 
-from controlplane.models import ActorType
+from common.models import ActorType
 from frontend.specmap import error_lines
 from jobs.models import Job, JobState
 from jobs.services import spec_limits

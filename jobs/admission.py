@@ -2,7 +2,7 @@
 
 Pending jobs are taken by priority, then age. Admission is serialised cluster-wide with a
 PostgreSQL advisory lock so two workers never hand out the same device. What is free comes from
-the one selector the tick's free pool uses too (``agents.selectors.free_devices``): devices an open
+the one selector the tick's free pool uses too (``cluster.selectors.free_devices``): devices an open
 migration has reserved are not free, and a device reserved while admission runs is not taken
 (the allocation is a conditional update; the job waits for the next round instead).
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from django.db import connection, transaction
 
-from agents import commands
-from agents.models import FREE_DEVICE, Device, DeviceStatus, NodeStatus
-from agents.selectors import free_devices
-from controlplane.audit import Actor
-from jobs import services
+from cluster.models import FREE_DEVICE, Device, DeviceStatus, NodeStatus
+from cluster.selectors import free_devices
+from common.audit import Actor
+from jobs import agent_commands
 from jobs.models import Job, JobReason, JobState, Worker, WorkerGroup
+from jobs.placement import backend_devices, core_devices, group_requests, never_fits, registered_devices
 from jobs.spec import JobSpec
+from jobs.states import transition
 from scheduler.core.placement import Placement, PlacementFailure, place
 
 ADMISSION_LOCK_KEY = 0x64796E61  # "dyna"
@@ -32,7 +33,7 @@ def admit_pending(*, actor: Actor) -> list[Job]:
         # Devices of ready nodes that are not lost are handed out; but ranks count over every
         # registered device, and a job is refused as never fitting only if the whole cluster
         # could not hold it: lost and drained nodes may come back.
-        cluster = services.registered_devices()
+        cluster = registered_devices()
         free_uids = set(free_devices().values_list("uid", flat=True))
         # Backends whose pending jobs wait behind a job of higher priority that shares their nodes.
         held_back: set[str] = set()
@@ -44,15 +45,15 @@ def admit_pending(*, actor: Actor) -> list[Job]:
             spec = JobSpec.from_json(job.spec)
             if spec.backend in held_back:
                 continue
-            requests = services.group_requests(spec)
+            requests = group_requests(spec)
             # A job runs only where the node's agent runs its backend (a ray job never on sim hosts).
-            pool = services.backend_devices(cluster, spec.backend)
+            pool = backend_devices(cluster, spec.backend)
             free = [d for d in pool if d.uid in free_uids]
-            result = place(requests, services.core_devices(free), services.core_devices(pool))
+            result = place(requests, core_devices(free), core_devices(pool))
             if isinstance(result, PlacementFailure):
-                never = services.never_fits(requests, cluster, spec.backend)
+                never = never_fits(requests, cluster, spec.backend)
                 if never is not None:
-                    services.transition(
+                    transition(
                         job,
                         JobState.FAILED,
                         JobReason.UNSCHEDULABLE,
@@ -81,8 +82,8 @@ def admit_pending(*, actor: Actor) -> list[Job]:
                 continue
             for devices in launches.values():
                 free_uids.difference_update(d.uid for d in devices)
-            services.transition(job, JobState.ADMITTED, JobReason.ADMITTED, actor, f"{spec.total_gpus} GPUs")
-            commands.queue_launch(launches, job_spec=job.spec)
+            transition(job, JobState.ADMITTED, JobReason.ADMITTED, actor, f"{spec.total_gpus} GPUs")
+            agent_commands.queue_launch(launches, job_spec=job.spec)
             admitted.append(job)
     return admitted
 

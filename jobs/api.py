@@ -5,7 +5,8 @@ or wrapped as ``{"spec": "<yaml text>"}``, with an optional ``Idempotency-Key`` 
 key with the same spec answers 200 with the job it made the first time; with another spec, 409.
 Every form of body is read within the same JOB_SPEC_MAX_BYTES (413 over it) and decoded within the
 spec's other limits (see ``jobs.spec.DocumentLimits``). The views only translate HTTP to
-``jobs.services`` and ``scheduler.services.migrations`` calls.
+``jobs.services`` calls. A job's manual migration (``POST /jobs/{id}/migrate/``) is the scheduler's
+(``scheduler.api.JobMigrateView``).
 """
 
 # mypy: disallow-subclassing-any=False, disallow-untyped-decorators=False
@@ -29,10 +30,10 @@ from rest_framework.parsers import BaseParser, JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from agents.models import Device
-from controlplane.api.schema import error_response
-from controlplane.audit import Actor
-from controlplane.bodies import read_limited
+from cluster.models import Device
+from common.api.schema import error_response
+from common.audit import Actor
+from common.bodies import read_limited
 from jobs import services
 from jobs.filters import JobFilter, WorkerGroupFilter
 from jobs.models import Job, Worker, WorkerGroup, WorkerState
@@ -40,12 +41,9 @@ from jobs.serializers import (
     JobActionSerializer,
     JobDetailSerializer,
     JobSerializer,
-    ManualMigrationSerializer,
     WorkerGroupSerializer,
 )
 from jobs.spec import FieldError, SpecError, load_json
-from scheduler.serializers import MigrationSerializer
-from scheduler.services.migrations import request_manual_migration
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 IDEMPOTENCY_KEY_MAX = 200  # Job.idempotency_key's length
@@ -225,7 +223,7 @@ JOB_CONFLICT = error_response("The job's state does not allow this (names the cu
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """RL jobs: submit (operators), list and inspect (viewers), cancel, pause and resume the
-    scheduler, and migrate workers by hand (operators)."""
+    scheduler (operators)."""
 
     filter_backends = [DjangoFilterBackend]
     filterset_class = JobFilter
@@ -324,36 +322,6 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         payload = JobActionSerializer(data=request.data)
         payload.is_valid(raise_exception=True)
         return job, str(payload.validated_data["detail"])
-
-    @extend_schema(
-        request=ManualMigrationSerializer,
-        responses={
-            202: OpenApiResponse(MigrationSerializer, description="planned and started; follow its steps"),
-            400: error_response(
-                "Refused: `fields` names donor, recipient, workers or job (not running, or a "
-                "migration already in flight)."
-            ),
-        },
-    )
-    @action(detail=True, methods=["post"], parser_classes=ACTION_PARSERS)
-    def migrate(self, request: Request, pk: str | None = None) -> Response:
-        """Move workers' GPUs from one group to another by hand (operators), e.g. from rollout to
-        actor. The migration runs through the agents like any other; devices change owner when it
-        commits."""
-        job = self.get_object()
-        payload = ManualMigrationSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
-        migration = request_manual_migration(
-            job.pk,
-            donor=data["donor"],
-            recipient=data["recipient"],
-            workers=data["workers"],
-            actor=Actor.for_user(request.user),
-            reason=data["reason"],
-        )
-        migration = type(migration).objects.prefetch_related("steps").get(pk=migration.pk)
-        return Response(MigrationSerializer(migration).data, status=status.HTTP_202_ACCEPTED)
 
 
 class WorkerGroupViewSet(viewsets.ReadOnlyModelViewSet):

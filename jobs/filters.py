@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import django_filters
 
-from controlplane.api.filters import ApiFilterSet, BooleanFilter, IdFilter, MultiChoiceFilter, time_range
+from common.api.filters import ApiFilterSet, BooleanFilter, IdFilter, MultiChoiceFilter, time_range
 from jobs.models import Job, JobState, WorkerGroup
 
 

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from controlplane.transitions import check_transition
+from common.transitions import check_transition
 
 
 class JobState(models.TextChoices):
@@ -185,7 +185,7 @@ class Worker(models.Model):
     stopped_at = models.DateTimeField(null=True, blank=True)
     utilisation = models.FloatField(default=0.0)
     # Colocated groups (verl-style time-sharing) use devices another worker of the job owns.
-    colocated_devices = models.ManyToManyField("agents.Device", blank=True, related_name="colocated_workers")
+    colocated_devices = models.ManyToManyField("cluster.Device", blank=True, related_name="colocated_workers")
 
     class Meta:
         ordering = ["group", "id"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from agents.models import Device
+from cluster.models import Device
 from jobs.models import Job, JobTransition, Worker, WorkerGroup
 
 
@@ -172,10 +172,3 @@ class JobActionSerializer(serializers.Serializer):
         default="",
         help_text="why; kept with the transition",
     )
-
-
-class ManualMigrationSerializer(serializers.Serializer):
-    donor = serializers.CharField(max_length=64, help_text="group that gives up workers, e.g. rollout")
-    recipient = serializers.CharField(max_length=64, help_text="group that receives the devices, e.g. actor")
-    workers = serializers.IntegerField(min_value=1, help_text="how many of the donor's workers to move")
-    reason = serializers.CharField(required=False, allow_blank=True, max_length=2000, default="")

@@ -1,14 +1,13 @@
-"""Job lifecycle: submission, state transitions, cancellation, pausing the scheduler.
+"""Job lifecycle: submission (then admission), cancellation, pausing and resuming the scheduler.
 
-Every state change goes through ``transition`` under the job's row lock, writing a JobTransition
-and an AuditEvent in the same transaction, so history can never disagree with the current state.
+Every state change goes through ``jobs.states.transition`` under the job's row lock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +15,11 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents import commands
-from agents.models import Device, release_devices
-from controlplane import audit
-from controlplane.audit import Actor
+from cluster.models import Device, release_devices
+from common import audit
+from common.audit import Actor
+from jobs import agent_commands
+from jobs.admission import admit_pending
 from jobs.models import (
     ACTIVE_JOB_STATES,
     LIVE_WORKER_STATES,
@@ -31,10 +31,10 @@ from jobs.models import (
     WorkerGroup,
     WorkerState,
 )
-from jobs.spec import DocumentLimits, JobSpec, parse_spec
+from jobs.placement import group_requests, never_fits, registered_devices
+from jobs.spec import DocumentLimits, parse_spec
+from jobs.states import transition
 from scheduler.core.hypergraph import DEFAULT_INTERRUPTIBILITY, DEFAULT_SCALING
-from scheduler.core.hypergraph import Device as CoreDevice
-from scheduler.core.placement import GroupRequest, PlacementFailure, fits_in
 
 
 class SubmissionRefused(Exception):
@@ -71,55 +71,6 @@ def fingerprint(source: str | Mapping[str, Any]) -> str:
         source if isinstance(source, str) else json.dumps(source, sort_keys=True, separators=(",", ":"))
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def group_requests(spec: JobSpec) -> list[GroupRequest]:
-    return [
-        GroupRequest(
-            name=c.name,
-            workers=c.workers if c.workers is not None else 0,
-            gpus_per_worker=c.tp * c.pp,
-            hardware=tuple(c.hardware),
-            ranks=tuple(c.placement) if c.placement is not None else None,
-        )
-        for c in spec.components
-    ]
-
-
-def core_devices(devices: list[Device]) -> list[CoreDevice]:
-    return [
-        CoreDevice(id=d.uid, node=d.node.name, hardware=d.hardware, memory_gb=d.memory_gb, index=d.index)
-        for d in devices
-    ]
-
-
-def registered_devices() -> list[Device]:
-    """Every device of every registered node, whatever its state: the cluster explicit ranks count
-    over (a lost or drained node keeps its place, so ranks never shift) and whose shape decides
-    whether a job could ever run."""
-    return list(Device.objects.select_related("node"))
-
-
-def backend_devices(devices: Iterable[Device], backend: str) -> list[Device]:
-    """The devices of nodes whose agent runs jobs of ``backend``: the only ones such a job may use."""
-    return [d for d in devices if d.node.offers(backend)]
-
-
-def never_fits(requests: list[GroupRequest], devices: list[Device], backend: str) -> PlacementFailure | None:
-    """Why a job of ``backend`` could never run on ``devices`` (registered ones), or None.
-
-    It could never run when it fits neither on the nodes that run its backend nor on the cluster
-    as a whole: more nodes of its backend may register (a ray job waits for ray nodes), but a job
-    that no cluster of this shape could hold is refused at once.
-    """
-    pool = backend_devices(devices, backend)
-    on_pool = fits_in(requests, core_devices(pool))
-    if on_pool is None:
-        return None
-    on_cluster = fits_in(requests, core_devices(devices)) if len(pool) < len(devices) else on_pool
-    if on_cluster is None:
-        return None
-    return on_pool if pool else on_cluster
 
 
 def submit_job(
@@ -187,41 +138,9 @@ def submit_job(
             raise IdempotencyConflict(idempotency_key) from None
         return Submission(existing, created=False)
 
-    from jobs.admission import admit_pending
-
     admit_pending(actor=Actor.scheduler())
     job.refresh_from_db()
     return Submission(job, created=True)
-
-
-def transition(job: Job, target: JobState, reason: JobReason, actor: Actor, detail: str = "") -> None:
-    """Move a (row-locked) job to ``target``; raises IllegalTransition when not allowed."""
-    job.check_transition(target)
-    previous = job.state
-    now = timezone.now()
-    job.state = target
-    job.state_reason = reason
-    job.state_detail = detail
-    if target == JobState.ADMITTED:
-        job.admitted_at = now
-    elif target == JobState.RUNNING and job.started_at is None:
-        job.started_at = now
-    elif job.is_terminal:
-        job.finished_at = now
-    job.save(
-        update_fields=["state", "state_reason", "state_detail", "admitted_at", "started_at", "finished_at"]
-    )
-    JobTransition.objects.create(
-        job=job, from_state=previous, to_state=target, reason=reason, detail=detail, actor=actor.label, at=now
-    )
-    audit.record(
-        actor,
-        f"job.{target}",
-        job,
-        job=job,
-        reason=detail or reason,
-        payload={"from": previous, "to": target},
-    )
 
 
 def _locked(job_id: int) -> Job:
@@ -231,7 +150,7 @@ def _locked(job_id: int) -> Job:
 def release_workers(job: Job, *, reason: str) -> None:
     """Stop a job's live workers. Devices whose workers never reached an agent are freed at once;
     the others are freed when their agent reports the workers stopped."""
-    undelivered = commands.cancel_undelivered(job.pk)
+    undelivered = agent_commands.cancel_undelivered(job.pk)
     live = list(Worker.objects.filter(group__job=job, state__in=LIVE_WORKER_STATES).select_related("group"))
     to_stop = []
     for worker in live:
@@ -246,7 +165,7 @@ def release_workers(job: Job, *, reason: str) -> None:
             worker.save(update_fields=["state"])
             to_stop.append(worker)
     if to_stop:
-        commands.queue_stop(to_stop, reason=reason)
+        agent_commands.queue_stop(to_stop, reason=reason)
 
 
 def cancel_job(job_id: int, actor: Actor, detail: str = "") -> Job:
@@ -254,8 +173,6 @@ def cancel_job(job_id: int, actor: Actor, detail: str = "") -> Job:
         job = _locked(job_id)
         transition(job, JobState.CANCELLED, JobReason.CANCELLED_BY_OPERATOR, actor, detail)
         release_workers(job, reason="job cancelled")
-    from jobs.admission import admit_pending
-
     admit_pending(actor=Actor.scheduler())
     return job
 

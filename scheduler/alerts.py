@@ -50,9 +50,9 @@ from django.db import connection, transaction
 from django.db.models import Avg, Max, Min, Q, Sum
 from django.utils import timezone
 
-from agents.models import Device, Node, NodeStatus
-from controlplane import audit, events
-from controlplane.audit import Actor
+from cluster.models import Device, Node, NodeStatus
+from common import audit, events
+from common.audit import Actor
 from jobs.models import Job, JobState, Worker, WorkerGroup, WorkerState
 from scheduler.models import Alert, AlertKind, TelemetrySample
 

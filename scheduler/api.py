@@ -16,15 +16,18 @@ from django.shortcuts import get_object_or_404
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import serializers, viewsets
+from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.api import exports
-from controlplane.api.filters import BIGINT_MAX, BIGINT_MIN
+from common.api import exports
+from common.api.filters import BIGINT_MAX, BIGINT_MIN
+from common.api.schema import error_response
+from common.audit import Actor
 from jobs.models import Job
 from scheduler.filters import (
     AlertFilter,
@@ -46,6 +49,7 @@ from scheduler.models import (
 from scheduler.serializers import (
     AlertSerializer,
     DecisionSerializer,
+    ManualMigrationSerializer,
     MigrationDetailSerializer,
     MigrationSerializer,
     MigrationStepSerializer,
@@ -56,6 +60,7 @@ from scheduler.serializers import (
     TickSerializer,
 )
 from scheduler.services import history
+from scheduler.services.migrations import request_manual_migration
 
 # --- snapshots ---------------------------------------------------------------------------------
 
@@ -448,3 +453,40 @@ class JobTelemetryView(APIView):
         query.is_valid(raise_exception=True)
         found = history.job_telemetry(job, since=query.validated_data.get("since"))
         return Response(TelemetryHistorySerializer(found).data)
+
+
+class JobMigrateView(APIView):
+    """Move workers' GPUs from one group to another by hand (operators)."""
+
+    parser_classes = [JSONParser]  # like the job's other actions: JSON only
+
+    @extend_schema(
+        request=ManualMigrationSerializer,
+        responses={
+            202: OpenApiResponse(MigrationSerializer, description="planned and started; follow its steps"),
+            400: error_response(
+                "Refused: `fields` names donor, recipient, workers or job (not running, or a "
+                "migration already in flight)."
+            ),
+        },
+        operation_id="jobs_migrate_create",
+        tags=["jobs"],
+    )
+    def post(self, request: Request, id: int) -> Response:
+        """Move workers' GPUs from one group to another by hand (operators), e.g. from rollout to
+        actor. The migration runs through the agents like any other; devices change owner when it
+        commits."""
+        job = get_object_or_404(Job, pk=id)
+        payload = ManualMigrationSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        data = payload.validated_data
+        migration = request_manual_migration(
+            job.pk,
+            donor=data["donor"],
+            recipient=data["recipient"],
+            workers=data["workers"],
+            actor=Actor.for_user(request.user),
+            reason=data["reason"],
+        )
+        migration = Migration.objects.prefetch_related("steps").get(pk=migration.pk)
+        return Response(MigrationSerializer(migration).data, status=status.HTTP_202_ACCEPTED)

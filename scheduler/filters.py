@@ -11,7 +11,7 @@ import re
 import django_filters
 from django.db.models import Q, QuerySet
 
-from controlplane.api.filters import (
+from common.api.filters import (
     ApiFilterSet,
     BooleanFilter,
     CharInFilter,

@@ -8,7 +8,7 @@ from typing import ClassVar
 from django.db import models
 from django.utils import timezone
 
-from controlplane.transitions import check_transition
+from common.transitions import check_transition
 
 
 class HypergraphSnapshot(models.Model):
@@ -220,7 +220,7 @@ class TelemetrySample(models.Model):
     job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="telemetry")
     group = models.CharField(max_length=64)
     worker = models.CharField(max_length=128)
-    node = models.ForeignKey("agents.Node", null=True, on_delete=models.SET_NULL, related_name="+")
+    node = models.ForeignKey("cluster.Node", null=True, on_delete=models.SET_NULL, related_name="+")
     bucket_start = models.DateTimeField()
     samples = models.PositiveIntegerField(default=0)
     utilisation_mean = models.FloatField(default=0.0)
@@ -287,7 +287,7 @@ class Alert(models.Model):
         "jobs.Job", null=True, blank=True, on_delete=models.CASCADE, related_name="alerts"
     )
     node = models.ForeignKey(
-        "agents.Node", null=True, blank=True, on_delete=models.CASCADE, related_name="alerts"
+        "cluster.Node", null=True, blank=True, on_delete=models.CASCADE, related_name="alerts"
     )
     message = models.TextField()
     raised_at = models.DateTimeField(default=timezone.now)

@@ -197,3 +197,10 @@ class AlertSerializer(serializers.ModelSerializer):
 
     def get_open(self, alert: Alert) -> bool:
         return alert.cleared_at is None
+
+
+class ManualMigrationSerializer(serializers.Serializer):
+    donor = serializers.CharField(max_length=64, help_text="group that gives up workers, e.g. rollout")
+    recipient = serializers.CharField(max_length=64, help_text="group that receives the devices, e.g. actor")
+    workers = serializers.IntegerField(min_value=1, help_text="how many of the donor's workers to move")
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=2000, default="")

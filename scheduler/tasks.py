@@ -2,7 +2,7 @@
 
 A tick that finds the database busy (no pooled connection in time, or the server at its
 connection limit) is retried a few seconds later instead of failing; a fan-out that finds it busy
-is skipped, as beat sends the next within a second (``controlplane.dbbusy``).
+is skipped, as beat sends the next within a second (``common.dbbusy``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import shared_task
 
-from controlplane.dbbusy import retry_when_busy, skip_when_busy
+from common.dbbusy import retry_when_busy, skip_when_busy
 from scheduler.services import tick
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from controlplane import events
 from scheduler import alerts
+from scheduler.services import rollups
 
 
 @shared_task(name="scheduler.tasks_alerts.detect_anomalies", ignore_result=True)
@@ -19,4 +19,4 @@ def detect_anomalies() -> dict[str, int]:
 
 @shared_task(name="scheduler.tasks_alerts.publish_telemetry_rollups", ignore_result=True)
 def publish_telemetry_rollups() -> int:
-    return events.publish_telemetry_rollups()
+    return rollups.publish_telemetry_rollups()

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-import redis
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Model
 from django.utils import timezone
 
-from agents.models import Device, Node
+from cluster.models import Device, Node
+from common import redis as common_redis
 from jobs.models import Worker, WorkerGroup, WorkerState
 from scheduler.core.signals import WorkerSample
 from scheduler.models import TelemetrySample
@@ -220,11 +220,6 @@ def parse_heartbeat(payload: Any, now: float) -> Heartbeat:
 # --- Redis -----------------------------------------------------------------------------------------
 
 
-@functools.cache
-def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL)
-
-
 def window_key(job_id: int) -> str:
     return f"{KEY_PREFIX}:job:{job_id}"
 
@@ -254,19 +249,19 @@ return 0
 
 
 def _claim_heartbeat(node_id: int, sent_at: float) -> tuple[bool, str]:
-    fresh, previous = redis_client().eval(
+    fresh, previous = common_redis.shared_client().eval(
         _CLAIM_HEARTBEAT, 1, _heartbeat_key(node_id), repr(sent_at), repr(CLOCK_RESET_S)
     )
     return bool(fresh), previous.decode() if isinstance(previous, bytes) else str(previous)
 
 
 def _release_heartbeat(node_id: int, sent_at: float, previous: str) -> None:
-    redis_client().eval(_RELEASE_HEARTBEAT, 1, _heartbeat_key(node_id), repr(sent_at), previous)
+    common_redis.shared_client().eval(_RELEASE_HEARTBEAT, 1, _heartbeat_key(node_id), repr(sent_at), previous)
 
 
 def forget_node(node_id: int) -> None:
     """A (re-)registered agent starts a new sequence of heartbeats."""
-    redis_client().delete(_heartbeat_key(node_id))
+    common_redis.shared_client().delete(_heartbeat_key(node_id))
 
 
 def _encode(group: str, sample: WorkerReading) -> str:
@@ -289,7 +284,7 @@ def _push_window(samples_by_job: Mapping[int, Mapping[str, float]], now: float) 
     horizon = now - settings.TELEMETRY_LIVE_WINDOW_S
     keep = settings.TELEMETRY_LIVE_MAX_SAMPLES
     ttl = max(1, math.ceil(settings.TELEMETRY_LIVE_WINDOW_S * 2))
-    pipe = redis_client().pipeline(transaction=False)
+    pipe = common_redis.shared_client().pipeline(transaction=False)
     for job_id, members in samples_by_job.items():
         key = window_key(job_id)
         pipe.zadd(key, dict(members))
@@ -301,7 +296,10 @@ def _push_window(samples_by_job: Mapping[int, Mapping[str, float]], now: float) 
 
 def recent_samples(job_id: int, since_epoch_s: float) -> list[WorkerSample]:
     """The job's worker samples after ``since_epoch_s`` (server clock), oldest first."""
-    raw = cast(list[bytes], redis_client().zrangebyscore(window_key(job_id), f"({since_epoch_s!r}", "+inf"))
+    raw = cast(
+        list[bytes],
+        common_redis.shared_client().zrangebyscore(window_key(job_id), f"({since_epoch_s!r}", "+inf"),
+    )
     samples = []
     for member in raw:
         group, worker, at, utilisation, queue_length, in_flight, tokens, progress = json.loads(member)

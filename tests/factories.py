@@ -8,10 +8,11 @@ from django.contrib.auth.models import Group, User
 from django.db import transaction
 from django.utils import timezone
 
-from agents.models import Device, Node
-from controlplane.audit import Actor
+from cluster.models import Device, Node
+from common.audit import Actor
 from jobs import services
 from jobs.models import Job, JobReason, JobState, Worker, WorkerState
+from jobs.states import transition
 
 
 def make_cluster(nodes: dict[str, tuple[str, int]]) -> list[Node]:
@@ -63,6 +64,6 @@ def mark_running(job: Job) -> Job:
     Worker.objects.filter(group__job=job).update(state=WorkerState.RUNNING, started_at=timezone.now())
     with transaction.atomic():
         locked = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
-        services.transition(locked, JobState.RUNNING, JobReason.WORKERS_LAUNCHED, Actor.system("test agents"))
+        transition(locked, JobState.RUNNING, JobReason.WORKERS_LAUNCHED, Actor.system("test agents"))
     job.refresh_from_db()
     return job

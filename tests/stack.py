@@ -38,9 +38,10 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from agents.models import BootstrapToken, Node, NodeStatus
+from agents.models import BootstrapToken
 from bench.stack import daphne_command
-from controlplane.models import ApiToken, hash_token
+from cluster.models import Node, NodeStatus
+from common.models import ApiToken, hash_token
 from tests.factories import make_user
 from tests.services import REPO_ROOT, celery_process, free_port, stop_process_tree, wait_until
 

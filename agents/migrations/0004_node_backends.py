@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-import agents.models
+import cluster.models
 
 
 def backends_from_backend(apps: Any, schema_editor: Any) -> None:
@@ -22,7 +22,7 @@ class Migration(migrations.Migration):
             model_name="node",
             name="backends",
             field=models.JSONField(
-                default=agents.models.default_backends,
+                default=cluster.models.default_backends,
                 help_text="the job backends its agent runs (a job's spec `backend` must be one of them)",
             ),
         ),

@@ -6,8 +6,8 @@ answers with the recorded outcome.
 
 from __future__ import annotations
 
-from agents.models import AgentCommand, CommandState
-from controlplane.transitions import check_transition
+from cluster.models import AgentCommand, CommandState
+from common.transitions import check_transition
 
 COMMAND_TRANSITIONS: dict[str, frozenset[str]] = {
     CommandState.QUEUED: frozenset(

@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
@@ -27,12 +26,12 @@ from django.db.models.signals import post_save
 from django.dispatch import receiver
 from django.utils import timezone
 
-from agents.models import AgentCommand, CommandState, Node
 from agents.services.command_states import check_command
-from controlplane import audit
-from controlplane.audit import Actor
+from cluster.models import AgentCommand, CommandState, Node
+from common import audit
+from common import redis as common_redis
+from common.audit import Actor
 from jobs.models import LIVE_WORKER_STATES, Job, Worker, WorkerState
-from scheduler import telemetry
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ WAKE_CHANNEL = "dynarl:agent:wake"
 def wake_node(node_id: int) -> None:
     """Tell the node's waiting long-polls that a command is queued. Never fails the caller."""
     try:
-        telemetry.redis_client().publish(WAKE_CHANNEL, str(node_id))
+        common_redis.shared_client().publish(WAKE_CHANNEL, str(node_id))
     except redis.RedisError:
         log.warning("could not wake node %s; its long-poll will find the command by polling", node_id)
 
@@ -92,9 +91,7 @@ class WakeListener:
 
     async def _listen(self) -> None:
         while True:
-            client = aioredis.Redis.from_url(
-                settings.REDIS_URL, socket_timeout=None, health_check_interval=30
-            )
+            client = common_redis.async_subscriber()
             try:
                 async with client.pubsub() as pubsub:
                     await pubsub.subscribe(WAKE_CHANNEL)

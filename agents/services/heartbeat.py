@@ -11,10 +11,10 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from agents.models import Node, NodeStatus
 from agents.services import progress
 from agents.services.liveness import restore_node
-from controlplane.audit import Actor
+from cluster.models import Node, NodeStatus
+from common.audit import Actor
 from jobs.admission import admit_pending
 from scheduler import telemetry
 

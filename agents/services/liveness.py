@@ -15,10 +15,10 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
-from controlplane import audit
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from cluster.models import Device, DeviceStatus, Node, NodeStatus
+from common import audit
+from common.audit import Actor
+from common.models import AuditEvent
 from jobs.models import LIVE_WORKER_STATES, WorkerGroup, WorkerState
 from scheduler.services import migrations
 

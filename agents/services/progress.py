@@ -33,12 +33,14 @@ from typing import Any
 from django.db import connection, transaction
 from django.db.models import Q
 
-from agents.models import Device, JobPictureChange, Node
-from controlplane import audit
-from controlplane.audit import Actor
+from agents.models import JobPictureChange
+from cluster.models import Device, Node
+from common import audit
+from common import redis as common_redis
+from common.audit import Actor
 from jobs.models import ACTIVE_JOB_STATES, LIVE_WORKER_STATES, Job, Worker, WorkerGroup
 from scheduler.models import OPEN_MIGRATION_STATES, Migration
-from scheduler.telemetry import FieldError, TelemetryError, redis_client
+from scheduler.telemetry import FieldError, TelemetryError
 
 KEY_PREFIX = "dynarl:progress"
 PROGRESS_TTL_S = 86_400
@@ -242,7 +244,7 @@ def record(node: Node, jobs_section: Any, *, now: float | None = None) -> None:
     reports = [r for r in reports if r.job in jobs]
     if not reports:
         return
-    pipe = redis_client().pipeline(transaction=False)
+    pipe = common_redis.shared_client().pipeline(transaction=False)
     for report in reports:
         scope = jobs[report.job][0]
         key = nodes_key(scope)
@@ -265,7 +267,7 @@ def record(node: Node, jobs_section: Any, *, now: float | None = None) -> None:
 
 
 def _reports(job: Job) -> dict[str, dict[str, Any]]:
-    raw = redis_client().hgetall(nodes_key(scope_of(job)))
+    raw = common_redis.shared_client().hgetall(nodes_key(scope_of(job)))
     return {_text(k): json.loads(v) for k, v in raw.items()}
 
 
@@ -556,7 +558,7 @@ def reply_for(node: Node) -> dict[str, Any]:
     joining = {job_id for job_id, _, joins, _ in node_jobs if joins}
     shown = [pictures[job_id] for job_id, *_ in node_jobs if job_id in pictures]
 
-    pipe = redis_client().pipeline(transaction=False)
+    pipe = common_redis.shared_client().pipeline(transaction=False)
     for picture in shown:
         pipe.hgetall(nodes_key(picture.scope))
         for iteration in picture.window:
@@ -614,7 +616,7 @@ def _freeze(
     members = {g: v["workers"] for g, v in groups.items() if v["kind"] == ROLLOUT_KIND}
     if not members or not all(members.values()):
         return  # a rollout group with no live member yet: nothing to split over
-    client = redis_client()
+    client = common_redis.shared_client()
     value = json.dumps(members, separators=(",", ":"))
     pipe = client.pipeline(transaction=False)
     for iteration in missing:
@@ -638,7 +640,7 @@ def _partitions(
     order = [(i, g) for i in sorted(frozen) for g in sorted(frozen[i])]
     unread = [key for key in order if key not in claimed]  # a group frozen before it was renamed
     if unread:
-        pipe = redis_client().pipeline(transaction=False)
+        pipe = common_redis.shared_client().pipeline(transaction=False)
         for iteration, group in unread:
             pipe.smembers(claims_key(picture.scope, iteration, group))
         for key, members in zip(unread, pipe.execute(), strict=True):
@@ -680,7 +682,7 @@ def group_progress(job_id: int) -> dict[str, tuple[int, int]]:
 
 def forget_job(job: Job) -> None:
     """Drop a job's progress keys (they also expire on their own)."""
-    client = redis_client()
+    client = common_redis.shared_client()
     keys = list(client.scan_iter(match=f"{KEY_PREFIX}:{scope_of(job)}:*", count=1000))
     if keys:
         client.delete(*keys)

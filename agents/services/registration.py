@@ -17,15 +17,16 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents import commands
 from agents.auth import issue_node_token
-from agents.models import AgentCommand, BootstrapToken, CommandState, Device, DeviceStatus, Node, NodeStatus
+from agents.models import BootstrapToken
 from agents.services.command_states import check_command
 from agents.services.delivery import wake_node
 from agents.services.liveness import restore_node
 from agents.services.payloads import InvalidPayload, json_object, text_field
-from controlplane import audit
-from controlplane.audit import Actor
+from cluster.models import AgentCommand, CommandState, Device, DeviceStatus, Node, NodeStatus
+from common import audit
+from common.audit import Actor
+from jobs import agent_commands
 from jobs.admission import admit_pending
 from jobs.models import LIVE_WORKER_STATES, Job, Worker, WorkerGroup
 from jobs.spec import BACKENDS as JOB_BACKENDS
@@ -298,7 +299,7 @@ def _worker_json(worker: Worker, devices: Iterable[Device], shared: set[int]) ->
         "group": group.name,
         "kind": group.kind,
         "state": worker.state,
-        "devices": [commands.device_payload(d, shared=d.pk in shared) for d in devices],
+        "devices": [agent_commands.device_payload(d, shared=d.pk in shared) for d in devices],
         "tp": group.tp,
         "pp": group.pp,
     }

@@ -17,14 +17,15 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from agents.models import AgentCommand, CommandState, Device, Node, release_devices
 from agents.services.command_states import FINISHED_COMMAND_STATES, check_command
 from agents.services.payloads import InvalidPayload, json_object, text_field
-from controlplane import audit
-from controlplane.audit import Actor
+from cluster.models import AgentCommand, CommandState, Device, Node, release_devices
+from common import audit
+from common.audit import Actor
 from jobs import services as job_services
 from jobs.admission import admit_pending
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerState
+from jobs.states import transition
 from scheduler.models import MigrationStep
 from scheduler.services import migrations
 from scheduler.services.migrations import StepNotForNode, StepNotFound
@@ -221,14 +222,14 @@ def _report_workers(node: Node, command: AgentCommand, report: Report) -> Report
         if job is not None and not job.is_terminal:
             if failed:
                 detail = "; ".join(f"{w}: {outcomes[w]['error'] or 'failed to start'}" for w in failed)
-                job_services.transition(job, JobState.FAILED, JobReason.WORKER_FAILED, actor, detail)
+                transition(job, JobState.FAILED, JobReason.WORKER_FAILED, actor, detail)
                 job_services.release_workers(job, reason="a worker of the job failed to start")
             elif (
                 command.kind == "launch_workers"
                 and job.state == JobState.ADMITTED
                 and not Worker.objects.filter(group__job=job, state=WorkerState.STARTING).exists()
             ):
-                job_services.transition(job, JobState.RUNNING, JobReason.WORKERS_LAUNCHED, actor)
+                transition(job, JobState.RUNNING, JobReason.WORKERS_LAUNCHED, actor)
     if freed:
         admit_pending(actor=actor)
     return ReportOutcome(command, repeated=False)

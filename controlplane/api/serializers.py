@@ -11,8 +11,8 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from rest_framework import serializers
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
-from controlplane.models import ApiToken, AuditEvent
+from cluster.models import Device, DeviceStatus, Node, NodeStatus
+from common.models import ApiToken, AuditEvent
 from jobs.models import JobState
 
 # --- tokens and identity -----------------------------------------------------------------------

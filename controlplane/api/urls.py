@@ -4,7 +4,7 @@ Anything else under /api/ answers a JSON 404 in the API's error shape."""
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
-from controlplane.api.errors import api_not_found
+from common.api.errors import api_not_found
 
 urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),

@@ -20,11 +20,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agents.models import Device, DeviceStatus, Node
-from controlplane.api import exports
-from controlplane.api.cluster import cluster_summary
+from cluster.models import Device, DeviceStatus, Node
+from common.api import exports
+from common.api.permissions import AnyRole
+from common.api.tokens import issue_token, revoke_token
+from common.audit import Actor
+from common.models import ApiToken, AuditEvent
+from common.roles import Role, role_of
 from controlplane.api.filters import AuditEventFilter, DeviceFilter, NodeFilter, TokenFilter
-from controlplane.api.permissions import AnyRole
 from controlplane.api.serializers import (
     AuditEventSerializer,
     ClusterSummarySerializer,
@@ -36,10 +39,7 @@ from controlplane.api.serializers import (
     TokenSerializer,
     WhoAmISerializer,
 )
-from controlplane.api.tokens import issue_token, revoke_token
-from controlplane.audit import Actor
-from controlplane.models import ApiToken, AuditEvent
-from controlplane.roles import Role, role_of
+from controlplane.selectors import cluster_summary
 from jobs.models import Worker, WorkerState
 
 # --- identity ----------------------------------------------------------------------------------

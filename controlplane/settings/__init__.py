@@ -103,6 +103,8 @@ INSTALLED_APPS = [
     "channels",
     "csp",
     "axes",
+    "common",
+    "cluster",
     "controlplane",
     "jobs",
     "scheduler",
@@ -113,7 +115,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
-    "controlplane.audit.RequestIdMiddleware",
+    "common.audit.RequestIdMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -121,7 +123,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "controlplane.overload.DatabaseBusyMiddleware",
+    "common.overload.DatabaseBusyMiddleware",
     # Last, as django-axes asks: it turns a refused sign-in into the lockout page.
     "axes.middleware.AxesMiddleware",
 ]
@@ -338,17 +340,17 @@ CHANNEL_LAYERS = {
 
 # --- REST ---------------------------------------------------------------------------------------
 REST_FRAMEWORK = {
-    "DEFAULT_SCHEMA_CLASS": "controlplane.api.schema.ApiAutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "common.api.schema.ApiAutoSchema",
     # Bearer first: its WWW-Authenticate header makes requests without credentials answer 401.
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "controlplane.api.authentication.ApiTokenAuthentication",
+        "common.api.authentication.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["controlplane.api.permissions.ViewerReadOperatorWrite"],
+    "DEFAULT_PERMISSION_CLASSES": ["common.api.permissions.ViewerReadOperatorWrite"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "controlplane.api.pagination.PagePagination",
+    "DEFAULT_PAGINATION_CLASS": "common.api.pagination.PagePagination",
     "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
     "DATETIME_FORMAT": "iso-8601",
 }
@@ -379,9 +381,9 @@ SPECTACULAR_SETTINGS = {
         "StepStateEnum": "scheduler.models.StepState",
         "PredictorScopeEnum": "scheduler.models.PredictorScope",
         "AlertKindEnum": "scheduler.models.AlertKind",
-        "NodeStatusEnum": "agents.models.NodeStatus",
-        "DeviceStatusEnum": "agents.models.DeviceStatus",
-        "ActorTypeEnum": "controlplane.models.ActorType",
+        "NodeStatusEnum": "cluster.models.NodeStatus",
+        "DeviceStatusEnum": "cluster.models.DeviceStatus",
+        "ActorTypeEnum": "common.models.ActorType",
     },
 }
 
@@ -441,7 +443,7 @@ AXES_COOLOFF_TIME = timedelta(seconds=_cooloff_s) if _cooloff_s > 0 else None
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False  # no start-up banner in every process; lockouts are logged anyway
-AXES_CLIENT_IP_CALLABLE = "controlplane.net.client_ip"
+AXES_CLIENT_IP_CALLABLE = "common.net.client_ip"
 AXES_LOCKOUT_CALLABLE = "frontend.views.locked_out"
 if AXES_FAILURE_LIMIT < 1:
     raise ImproperlyConfigured("LOGIN_FAILURE_LIMIT must be at least 1")

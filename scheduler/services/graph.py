@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from django.db.models import Prefetch
 
-from agents.models import Device
+from cluster.models import Device
 from jobs.models import LIVE_WORKER_STATES, Job, Worker, WorkerGroup
 from scheduler.core.hypergraph import (
     ComponentKind,

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db.models import Avg, Count, Min, Sum
 from django.utils import timezone
 
-from agents.models import Device
+from cluster.models import Device
 from jobs.models import Job, Worker, WorkerState
 from scheduler.core.migration import StepKind
 from scheduler.models import HypergraphSnapshot, Migration, MigrationStep, TelemetrySample

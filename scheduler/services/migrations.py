@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.models import (
+from cluster.models import (
     AgentCommand,
     CommandState,
     Device,
@@ -32,8 +32,8 @@ from agents.models import (
     release_devices,
     reserve_devices,
 )
-from controlplane import audit, events
-from controlplane.audit import Actor
+from common import audit, events
+from common.audit import Actor
 from jobs.models import Job, JobState, Worker, WorkerGroup, WorkerState
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Decision, Reason
@@ -55,6 +55,7 @@ from scheduler.models import (
     SchedulingDecision,
     StepState,
 )
+from scheduler.services import snapshots
 from scheduler.services.graph import build_hypergraph
 
 log = logging.getLogger(__name__)
@@ -592,8 +593,6 @@ def _finish(migration: Migration, plan: MigrationPlan, execution: PlanExecution)
         payload={"committed_groups": sorted(committed)},
     )
     events.publish("migration", migration_event(migration), job_id=migration.job_id, cluster=True)
-    from scheduler.services import snapshots
-
     snapshots.take(migration.job, cause="migration")
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from django.conf import settings
 
-from controlplane import audit
-from controlplane.audit import Actor
+from common import audit
+from common.audit import Actor
 from jobs.models import Job
 from scheduler.core.signals import GroupSignals
 from scheduler.models import Migration, MigrationState, PredictorSample, PredictorScope

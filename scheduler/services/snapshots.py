@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from django.conf import settings
 from django.utils import timezone
 
-from controlplane import events
+from common import events
 from jobs.models import Job
 from scheduler.core.hypergraph import SCHEMA_VERSION, Hypergraph
 from scheduler.core.signals import GroupSignals

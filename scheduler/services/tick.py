@@ -19,10 +19,13 @@ from django.db import transaction
 from django.utils import timezone
 
 import scheduler.telemetry as telemetry
-from agents.selectors import free_devices
-from controlplane import audit, events
-from controlplane.audit import Actor
+from cluster.selectors import free_devices
+from common import audit, events
+from common.audit import Actor
+from jobs import services
+from jobs.admission import admit_pending
 from jobs.models import Job, JobReason, JobState
+from jobs.states import transition
 from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import ComponentKind, Hypergraph
 from scheduler.core.migration import PlanError
@@ -238,14 +241,11 @@ def _iterations_done(job: Job, signals: Mapping[str, GroupSignals]) -> bool:
 
 
 def _complete(job: Job) -> None:
-    from jobs import services
-    from jobs.admission import admit_pending
-
     with transaction.atomic():
         locked = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
         if locked.is_terminal:
             return
-        services.transition(
+        transition(
             locked,
             JobState.SUCCEEDED,
             JobReason.ITERATIONS_COMPLETE,

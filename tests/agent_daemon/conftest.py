@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from agents.models import BootstrapToken
-from controlplane.models import hash_token
-from scheduler import telemetry
+from common import redis as common_redis
+from common.models import hash_token
 from tests.agent_daemon.recording import read_calls
 from tests.services import REPO_ROOT, stop_process_tree
 from tests.stack import LiveServer
@@ -29,7 +29,7 @@ def clean_agent_keys(redis_reachable: None) -> Iterator[None]:
     """Node ids restart with each test database: drop the heartbeat keys an earlier run left."""
 
     def drop() -> None:
-        client = telemetry.redis_client()
+        client = common_redis.shared_client()
         for pattern in ("dynarl:telemetry:*", "dynarl:agent:*"):
             keys = list(client.scan_iter(match=pattern, count=1000))
             if keys:

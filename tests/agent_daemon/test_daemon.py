@@ -16,9 +16,10 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from agents.auth import issue_node_token
-from agents.models import AgentCommand, BootstrapToken, CommandState, Device, Node, NodeStatus, NodeToken
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent, hash_token
+from agents.models import BootstrapToken, NodeToken
+from cluster.models import AgentCommand, CommandState, Device, Node, NodeStatus
+from common.audit import Actor
+from common.models import AuditEvent, hash_token
 from jobs.models import Job, JobState, Worker, WorkerState
 from scheduler.models import Migration, MigrationStep, StepState, TelemetrySample
 from scheduler.services import migrations
@@ -438,8 +439,8 @@ def test_sigterm_while_the_control_plane_is_unreachable_at_start(agent: AgentPro
 def test_a_node_back_from_lost_registers_again_and_reconciles(agent: AgentProcess) -> None:
     from datetime import timedelta
 
-    from agents.models import release_devices
     from agents.services.liveness import mark_node_lost
+    from cluster.models import release_devices
 
     agent.start()
     node = registered(agent)

@@ -12,8 +12,8 @@ import pytest
 from django.test import Client
 
 from agents.models import BootstrapToken
-from controlplane.models import hash_token
-from scheduler import telemetry
+from common import redis as common_redis
+from common.models import hash_token
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +21,7 @@ def clean_agent_keys(redis_reachable: None) -> Iterator[None]:
     """Node ids restart with each test database: drop the keys an earlier run left behind."""
 
     def drop() -> None:
-        client = telemetry.redis_client()
+        client = common_redis.shared_client()
         for pattern in ("dynarl:telemetry:*", "dynarl:agent:*"):
             keys = list(client.scan_iter(match=pattern, count=1000))
             if keys:

@@ -11,8 +11,8 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 from rest_framework.settings import api_settings
 
-from agents.models import AgentCommand, CommandState
-from controlplane.models import ApiToken
+from cluster.models import AgentCommand, CommandState
+from common.models import ApiToken
 from tests.agents.conftest import Agent, register
 from tests.factories import make_user, spec, submit
 

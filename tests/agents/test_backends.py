@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from agents.models import Device, Node
-from controlplane.models import AuditEvent
+from cluster.models import Device, Node
+from common.models import AuditEvent
 from jobs.models import Job, JobReason, JobState, Worker
 from tests.agents.conftest import Agent, devices, register
 from tests.agents.test_register import post_register

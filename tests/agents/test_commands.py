@@ -8,9 +8,9 @@ import pytest
 from django.test import Client
 from pytest_django.fixtures import Settings
 
-from agents.models import AgentCommand, CommandState
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from cluster.models import AgentCommand, CommandState
+from common.audit import Actor
+from common.models import AuditEvent
 from jobs import services as job_services
 from jobs.models import Worker, WorkerState
 from tests.agents.conftest import register

@@ -12,7 +12,8 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import DjangoCaptureOnCommitCallbacks, Settings
 
-from agents.models import Device, Node
+from cluster.models import Device, Node
+from common import redis as common_redis
 from jobs.models import Job, Worker
 from scheduler import telemetry
 from scheduler.models import TelemetrySample
@@ -231,7 +232,7 @@ def test_window_is_trimmed_by_age_and_capped(
             )
     kept = telemetry.recent_samples(job.pk, 0)
     assert len(kept) == 10 and max(s.at for s in kept) == pytest.approx(start + 70.7)
-    assert telemetry.redis_client().ttl(telemetry.window_key(job.pk)) > 0
+    assert common_redis.shared_client().ttl(telemetry.window_key(job.pk)) > 0
 
 
 def test_prune_deletes_only_expired_history(running: tuple[Agent, Job], settings: Settings) -> None:

@@ -12,12 +12,12 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import Settings
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
 from agents.services import liveness
-from controlplane.api.cluster import cluster_summary
+from cluster.models import Device, DeviceStatus, Node, NodeStatus
+from common.audit import Actor
+from common.models import AuditEvent
 from controlplane.api.serializers import ClusterSummarySerializer
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from controlplane.selectors import cluster_summary
 from jobs import services as job_services
 from jobs.admission import admit_pending
 from jobs.models import Job, WorkerGroup

@@ -17,9 +17,9 @@ import pytest
 import redis
 from django.conf import settings
 
-from agents.models import AgentCommand, Node
 from agents.services import delivery
-from controlplane.models import AuditEvent
+from cluster.models import AgentCommand, Node
+from common.models import AuditEvent
 from tests.agents.conftest import register
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
 

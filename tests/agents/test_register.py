@@ -9,17 +9,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from agents.models import (
-    AgentCommand,
-    BootstrapToken,
-    CommandState,
-    Device,
-    DeviceStatus,
-    Node,
-    NodeStatus,
-    NodeToken,
-)
-from controlplane.models import AuditEvent, hash_token
+from agents.models import BootstrapToken, NodeToken
+from cluster.models import AgentCommand, CommandState, Device, DeviceStatus, Node, NodeStatus
+from common.models import AuditEvent, hash_token
 from jobs.models import Worker
 from tests.agents.conftest import devices, register
 from tests.factories import make_user, spec, submit

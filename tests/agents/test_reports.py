@@ -9,9 +9,9 @@ from urllib.parse import quote
 import pytest
 from django.test import Client
 
-from agents.models import AgentCommand, CommandState, Device, DeviceStatus
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from cluster.models import AgentCommand, CommandState, Device, DeviceStatus
+from common.audit import Actor
+from common.models import AuditEvent
 from jobs import services as job_services
 from jobs.models import Job, JobReason, JobState, JobTransition, Worker, WorkerState
 from scheduler.models import MigrationStep, StepState

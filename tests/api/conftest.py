@@ -12,10 +12,10 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from agents.models import AgentCommand, CommandState, Node
+from cluster.models import AgentCommand, CommandState, Node
+from common.audit import Actor
+from common.models import ApiToken
 from controlplane.asgi import application
-from controlplane.audit import Actor
-from controlplane.models import ApiToken
 from jobs.models import Job
 from scheduler.models import (
     Alert,

@@ -11,8 +11,9 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from agents.models import Node, NodeToken
-from controlplane.models import ApiToken, hash_token
+from agents.models import NodeToken
+from cluster.models import Node
+from common.models import ApiToken, hash_token
 from tests.api.conftest import bearer, error_of
 
 pytestmark = pytest.mark.django_db

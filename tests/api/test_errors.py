@@ -7,7 +7,7 @@ import logging
 import pytest
 from rest_framework.test import APIClient
 
-from controlplane.api.errors import flatten_detail
+from common.api.errors import flatten_detail
 from jobs.models import Job
 from tests.api.conftest import error_of, field_paths
 
@@ -105,7 +105,7 @@ def test_an_illegal_transition_is_409_naming_both_states(
 def test_unexpected_errors_are_500_without_internals(
     clients: dict[str, APIClient], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="controlplane.api.errors"):
+    with caplog.at_level(logging.ERROR, logger="common.api.errors"):
         response = clients["viewer"].get("/api/v1/failing/", HTTP_X_REQUEST_ID="boom-1")
     assert response.status_code == 500
     error = error_of(response)

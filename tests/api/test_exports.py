@@ -18,8 +18,8 @@ from django.http import HttpRequest
 from django.test import AsyncClient
 from rest_framework.test import APIClient
 
-from controlplane.api import exports
-from controlplane.models import ActorType, ApiToken, AuditEvent
+from common.api import exports
+from common.models import ActorType, ApiToken, AuditEvent
 from scheduler.models import MigrationStep
 from tests.api.conftest import error_of, field_paths
 
@@ -210,7 +210,7 @@ def test_an_export_cut_off_by_the_database_ends_short_and_is_logged(
         return response.status_code, first, rest
 
     try:
-        with caplog.at_level(logging.ERROR, logger="controlplane.api.exports"):
+        with caplog.at_level(logging.ERROR, logger="common.api.exports"):
             status, first, rest = async_to_sync(fetch)()
     finally:
         connection.close()  # the terminated one; the test database's flush opens another

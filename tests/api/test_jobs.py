@@ -16,8 +16,8 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from agents.models import Device, Node
-from controlplane.models import ApiToken, AuditEvent
+from cluster.models import Device, Node
+from common.models import ApiToken, AuditEvent
 from jobs.models import Job, JobState
 from scheduler.models import Migration, MigrationState
 from tests.api.conftest import bearer, error_of, field_paths, play_agents

@@ -14,8 +14,8 @@ from django.contrib.auth.models import User
 from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
 
-from controlplane.api.filters import ApiFilterSet, StrictBooleanField
-from controlplane.models import ApiToken
+from common.api.filters import ApiFilterSet, StrictBooleanField
+from common.models import ApiToken
 from tests.api.conftest import error_of, field_paths
 from tests.api.test_schema import generated_schema
 

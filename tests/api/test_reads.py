@@ -11,8 +11,8 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
-from controlplane.models import AuditEvent
+from cluster.models import Device, DeviceStatus, Node, NodeStatus
+from common.models import AuditEvent
 from jobs.models import Job
 from scheduler.models import HypergraphSnapshot, Migration, MigrationState, PredictorSample, PredictorScope
 from tests.api.conftest import error_of, field_paths

@@ -10,8 +10,8 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from controlplane.audit import Actor
-from controlplane.models import ApiToken, AuditEvent
+from common.audit import Actor
+from common.models import ApiToken, AuditEvent
 from jobs import services
 from jobs.models import Job, JobState
 from scheduler.models import Migration
@@ -24,7 +24,7 @@ ROLES = ("admin", "operator", "viewer", "anonymous")
 
 
 def read_urls(history: dict[str, Any]) -> list[str]:
-    from agents.models import Device, Node
+    from cluster.models import Device, Node
     from jobs.models import WorkerGroup
 
     job = history["job"]

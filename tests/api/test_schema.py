@@ -77,8 +77,8 @@ def _sample_path(path: str, ids: dict[str, Any]) -> str:
 def test_every_documented_operation_answers_as_documented(
     history: dict[str, Any], clients: dict[str, APIClient], users: dict[str, Any]
 ) -> None:
-    from agents.models import Device, Node
-    from controlplane.models import ApiToken, AuditEvent
+    from cluster.models import Device, Node
+    from common.models import ApiToken, AuditEvent
     from jobs.models import WorkerGroup
 
     job = history["job"]

@@ -33,8 +33,8 @@ from django.db import connection
 from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 
+from common.models import ApiToken, hash_token
 from controlplane.asgi import application
-from controlplane.models import ApiToken, hash_token
 from tests.api.conftest import build_history
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 

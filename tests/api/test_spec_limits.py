@@ -12,7 +12,7 @@ import pytest
 import yaml
 from rest_framework.test import APIClient
 
-from agents.models import Node
+from cluster.models import Node
 from jobs.models import Job
 from tests.api.conftest import error_of, field_paths
 from tests.factories import spec

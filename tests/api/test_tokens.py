@@ -9,7 +9,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.models import ApiToken, AuditEvent
+from common.models import ApiToken, AuditEvent
 from tests.api.conftest import bearer, error_of, field_paths
 
 pytestmark = pytest.mark.django_db

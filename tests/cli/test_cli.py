@@ -18,9 +18,9 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from agents.models import Device, Node
 from cli.main import EXIT_API_ERROR, EXIT_OK, EXIT_USAGE, main
-from controlplane.models import ApiToken
+from cluster.models import Device, Node
+from common.models import ApiToken
 from jobs.models import Job
 from scheduler.models import Migration
 from tests.services import free_port

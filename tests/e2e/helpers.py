@@ -10,7 +10,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from agents.models import Device, DeviceStatus
+from cluster.models import Device, DeviceStatus
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from tests.services import wait_until

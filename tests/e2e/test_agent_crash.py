@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from agents.models import Device
-from controlplane.models import AuditEvent
+from cluster.models import Device
+from common.models import AuditEvent
 from jobs.models import Worker
 from scheduler.core.migration import StepKind
 from scheduler.models import Migration, MigrationState, MigrationStep

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agents.models import Device
+from cluster.models import Device
 from jobs.models import Job, JobState, Worker, WorkerState
 from scheduler.models import Migration, SchedulingDecision, TelemetrySample
 from tests.e2e.helpers import start_cluster, submit, wait_agents_agree, wait_released, wait_running

@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import pytest
 
-from agents.models import AgentCommand, CommandState
-from controlplane.models import AuditEvent
+from cluster.models import AgentCommand, CommandState
+from common.models import AuditEvent
 from jobs.models import JobState
 from scheduler import telemetry
 from scheduler.models import (

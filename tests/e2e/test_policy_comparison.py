@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.models import AuditEvent
+from common.models import AuditEvent
 from jobs.models import Job, JobState
 from scheduler.models import Migration, MigrationState
 from tests.e2e.helpers import math_spec, start_cluster, submit, wait_running

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents.models import NodeStatus
-from controlplane.models import AuditEvent
+from cluster.models import NodeStatus
+from common.models import AuditEvent
 from jobs.models import Worker, WorkerState
 from scheduler.core.migration import StepKind
 from scheduler.models import Migration, MigrationState
@@ -72,7 +72,7 @@ def test_an_agent_down_while_a_migration_commits_reconciles_when_it_returns(live
         node = agent.node()
         assert node is not None
         assert AuditEvent.objects.filter(
-            verb="node.lost", object_type="agents.node", object_id=str(node.pk)
+            verb="node.lost", object_type="cluster.node", object_id=str(node.pk)
         ).exists()
 
     # Back: each registers again and runs exactly what the database gives its host.

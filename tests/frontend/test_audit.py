@@ -15,7 +15,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from playwright.sync_api import Page, expect
 
-from controlplane.models import AuditEvent
+from common.models import AuditEvent
 from tests.factories import spec
 from tests.frontend.conftest import screenshot
 from tests.stack import LiveStack

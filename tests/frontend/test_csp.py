@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import ConsoleMessage, Page, expect
 
-from agents.models import Device
+from cluster.models import Device
 from tests.factories import spec
 from tests.services import wait_until
 from tests.stack import LiveStack

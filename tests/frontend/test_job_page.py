@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from common.audit import Actor
+from common.models import AuditEvent
 from jobs import services
 from jobs.models import Job, JobState
 from scheduler.models import Migration, MigrationState, SchedulingDecision, Tick

@@ -11,7 +11,7 @@ import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import Page, expect
 
-from controlplane.models import AuditEvent
+from common.models import AuditEvent
 from jobs.models import Job, JobState
 from tests.factories import spec, submit
 from tests.frontend.conftest import screenshot

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from agents.models import Device, DeviceStatus, Node, NodeStatus
+from cluster.models import Device, DeviceStatus, Node, NodeStatus
 from tests.factories import spec
 from tests.frontend.conftest import screenshot
 from tests.services import wait_until

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from agents.models import Device, Node, NodeStatus
-from controlplane.audit import Actor
+from cluster.models import Device, Node, NodeStatus
+from common.audit import Actor
 from jobs.admission import admit_pending
 from jobs.models import Job, JobState
 from tests.factories import make_cluster, make_user

@@ -10,7 +10,7 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from agents.models import Device, DeviceStatus, Node
+from cluster.models import Device, DeviceStatus, Node
 from jobs.models import Job, JobState, Worker, WorkerGroup, WorkerState
 from scheduler.models import TelemetrySample
 

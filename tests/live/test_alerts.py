@@ -13,9 +13,9 @@ from channels.layers import get_channel_layer
 from django.db import connection
 from django.utils import timezone
 
-from agents.models import NodeStatus
-from controlplane.events import CLUSTER_GROUP, job_group
-from controlplane.models import AuditEvent
+from cluster.models import NodeStatus
+from common.events import CLUSTER_GROUP, job_group
+from common.models import AuditEvent
 from jobs.models import Job, JobState, Worker, WorkerState
 from scheduler import alerts
 from scheduler.models import Alert

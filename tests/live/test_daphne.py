@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from controlplane import events
-from controlplane.models import ApiToken
+from common import events
+from common.models import ApiToken
 from tests.live.conftest import make_job, make_user
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
 

@@ -27,9 +27,9 @@ from django.db import connection
 from django.test import Client
 from psycopg import sql
 
-from controlplane.audit import Actor
+from common.audit import Actor
+from common.models import ApiToken, AuditEvent
 from controlplane.celery import app
-from controlplane.models import ApiToken, AuditEvent
 from jobs import services
 from jobs.models import Job, JobReason, JobState, JobTransition, WorkerGroup
 from scheduler.models import Tick

@@ -13,7 +13,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_django import Settings
 
-from agents.models import DeviceStatus, NodeStatus
+from cluster.models import DeviceStatus, NodeStatus
 from controlplane import metrics
 from jobs.models import JobState
 from scheduler.models import Alert, AlertKind, Migration, SchedulingDecision, Tick

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.models import ApiToken
+from common.models import ApiToken
 from controlplane.stack import build_processes
 from tests.factories import make_cluster, make_user, spec
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until

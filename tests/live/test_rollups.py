@@ -11,11 +11,12 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 
-from controlplane import events
+from common import events
+from common.models import ApiToken
 from controlplane.asgi import application
-from controlplane.models import ApiToken
 from jobs.models import JobState
 from scheduler.models import GroupSignalsRecord
+from scheduler.services import rollups
 from tests.live.conftest import allocate, make_group, make_job, make_node, make_user, make_worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,7 +69,7 @@ def test_rollups_go_to_each_running_job_and_to_the_overview() -> None:
             assert (await comm.connect(timeout=WAIT_S))[0]
             assert (await comm.receive_json_from(timeout=WAIT_S))["type"] == "hello"
 
-        assert await database_sync_to_async(events.publish_telemetry_rollups)() == 1
+        assert await database_sync_to_async(rollups.publish_telemetry_rollups)() == 1
 
         frame = await watch_job.receive_json_from(timeout=WAIT_S)
         assert frame["type"] == "telemetry"

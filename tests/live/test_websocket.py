@@ -15,11 +15,11 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
-from agents.models import DeviceStatus
-from controlplane import events
+from cluster.models import DeviceStatus
+from common import events
+from common.models import ApiToken
 from controlplane.asgi import application
 from controlplane.consumers import CLOSE_NO_SUCH_JOB, CLOSE_NOT_AUTHENTICATED
-from controlplane.models import ApiToken
 from jobs.models import JobState
 from scheduler.models import Alert, AlertKind, HypergraphSnapshot, Migration, SchedulingDecision
 from tests.live.conftest import allocate, make_group, make_job, make_node, make_user, make_worker

@@ -11,9 +11,9 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
-from agents.models import Device, DeviceStatus
-from agents.selectors import free_devices
-from controlplane.audit import Actor
+from cluster.models import Device, DeviceStatus
+from cluster.selectors import free_devices
+from common.audit import Actor
 from jobs.models import LIVE_WORKER_STATES, Job, JobState
 from scheduler.core.decisions import Decision, Reason
 from scheduler.core.migration import PlanError

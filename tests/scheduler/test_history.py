@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.utils import timezone
 
-from agents.models import Device
-from controlplane.audit import Actor
+from cluster.models import Device
+from common.audit import Actor
 from jobs import services
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import MigrationState, TelemetrySample

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.models import BootstrapToken, Node
+from agents.models import BootstrapToken
+from cluster.models import Node
 from jobs.models import Job
 from tests.services import REPO_ROOT
 

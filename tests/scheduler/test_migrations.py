@@ -7,9 +7,9 @@ from datetime import timedelta
 
 import pytest
 
-from agents.models import AgentCommand, CommandState, Device, Node, NodeStatus
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from cluster.models import AgentCommand, CommandState, Device, Node, NodeStatus
+from common.audit import Actor
+from common.models import AuditEvent
 from jobs.models import Job, Worker, WorkerState
 from scheduler.core.hypergraph import MigrationStrategy
 from scheduler.models import (

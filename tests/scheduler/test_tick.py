@@ -10,7 +10,8 @@ import pytest
 from django.db import connection
 from django.test import TestCase, override_settings
 
-from agents.models import Node
+from cluster.models import Node
+from common import redis as common_redis
 from jobs.models import Job, JobState, Worker
 from scheduler import telemetry
 from scheduler.core.decisions import Reason
@@ -23,7 +24,7 @@ from tests.scheduler.test_migrations import deliver_all
 @pytest.fixture(autouse=True)
 def _clean_window(settings: object) -> Iterator[None]:
     yield
-    telemetry.redis_client().flushdb()
+    common_redis.shared_client().flushdb()
 
 
 def report(job: Job, utilisation: dict[str, float], tokens: dict[str, int], *, seconds: int = 12) -> None:

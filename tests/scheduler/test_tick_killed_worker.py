@@ -19,10 +19,10 @@ import psycopg
 import pytest
 from django.db import connection
 
-from agents.models import AgentCommand, Device
+from cluster.models import AgentCommand, Device
+from common import redis as common_redis
 from controlplane.celery import app
 from jobs.models import Job
-from scheduler import telemetry
 from scheduler.models import HypergraphSnapshot, Migration, MigrationStep, SchedulingDecision, Tick
 from scheduler.tasks import run_tick
 from tests.scheduler.test_tick import idle_rollout_busy_trainer_job, report
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(autouse=True)
 def _clean_window(redis_reachable: None) -> Iterator[None]:
     yield
-    telemetry.redis_client().flushdb()
+    common_redis.shared_client().flushdb()
 
 
 def fresh_telemetry(job: Job) -> None:

@@ -11,14 +11,15 @@ from django.utils import timezone
 
 from agents.backends.base import StepFailed
 from agents.backends.sim import ManualClock, SimBackend
-from agents.models import AgentCommand, CommandState, Device, DeviceStatus, Node
 from agents.services import progress
-from controlplane.audit import Actor
-from controlplane.models import AuditEvent
+from cluster.models import AgentCommand, CommandState, Device, DeviceStatus, Node
+from common import redis as common_redis
+from common.audit import Actor
+from common.models import AuditEvent
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from scheduler.services import migrations
-from scheduler.telemetry import TelemetryError, redis_client
+from scheduler.telemetry import TelemetryError
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 
 pytestmark = pytest.mark.django_db
@@ -29,7 +30,7 @@ def clean_progress_keys(redis_reachable: None) -> Iterator[None]:
     """Job ids restart with each test database: drop the keys an earlier test left behind."""
 
     def drop() -> None:
-        client = redis_client()
+        client = common_redis.shared_client()
         keys = list(client.scan_iter(match=f"{progress.KEY_PREFIX}:*", count=1000))
         if keys:
             client.delete(*keys)
@@ -222,7 +223,7 @@ def test_reports_for_jobs_that_do_not_exist_are_ignored(job: Job) -> None:
     progress.record(
         node("node-a"), [{"job": job.pk + 100, "iteration": 0, "groups": {}, "trained_iteration": 0}]
     )
-    assert list(redis_client().scan_iter(match=f"{progress.KEY_PREFIX}:*")) == []
+    assert list(common_redis.shared_client().scan_iter(match=f"{progress.KEY_PREFIX}:*")) == []
 
 
 def iteration_events(job: Job) -> list[AuditEvent]:
@@ -466,7 +467,7 @@ def test_sim_agents_shrink_the_trainer_and_grow_the_rollout_through_the_control_
     cluster.run(lambda: job.iteration >= job.iterations_total)
     # A later iteration's partition includes the new engine, whose node claimed its share.
     partitions = [
-        redis_client().get(progress.partition_key(progress.scope_of(job), k))
+        common_redis.shared_client().get(progress.partition_key(progress.scope_of(job), k))
         for k in range(job.iterations_total)
     ]
     assert any(p is not None and new_engine.encode() in p for p in partitions)

@@ -14,10 +14,10 @@ from django.contrib.auth.models import Group, User
 from django.core.management.base import BaseCommand
 
 from agents.models import BootstrapToken
-from controlplane import audit
-from controlplane.api.tokens import issue_token
-from controlplane.audit import Actor
-from controlplane.models import ApiToken, hash_token
+from common import audit
+from common.api.tokens import issue_token
+from common.audit import Actor
+from common.models import ApiToken, hash_token
 
 BOOTSTRAP_FILE = "agent-bootstrap-token"
 DEMO_TOKEN_FILE = "demo-api-token"

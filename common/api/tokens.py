@@ -8,9 +8,9 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from controlplane import audit
-from controlplane.audit import Actor
-from controlplane.models import ApiToken
+from common import audit
+from common.audit import Actor
+from common.models import ApiToken
 
 
 def issue_token(

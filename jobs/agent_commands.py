@@ -1,4 +1,4 @@
-"""Queueing work for node agents. Commands are rows; agents fetch them by long-poll."""
+"""The commands that launch and stop a job's workers on their nodes: rows the agents fetch by long-poll."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from agents.models import AgentCommand, CommandState, Device, Node
+from cluster.models import AgentCommand, CommandState, Device, Node
 from jobs.models import Worker
 
 

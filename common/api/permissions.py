@@ -14,7 +14,7 @@ from typing import Any
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
-from controlplane.roles import Role, has_role
+from common.roles import Role, has_role
 
 
 class RolePermission(BasePermission):

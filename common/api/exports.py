@@ -31,7 +31,7 @@ from django.http import HttpRequest, StreamingHttpResponse
 from rest_framework.renderers import BaseRenderer
 from rest_framework.utils.encoders import JSONEncoder
 
-from controlplane.audit import current_request_id
+from common.audit import current_request_id
 
 ROWS_PER_CHUNK = 500
 CSV_MEDIA_TYPE = "text/csv"

@@ -4,7 +4,7 @@ Each process holds at most ``DB_POOL_MAX_SIZE`` connections; a request or task t
 than ``DB_POOL_TIMEOUT_S`` for one gets ``psycopg_pool.PoolTimeout``, and a server at its limit
 refuses new connections ("too many clients already", SQLSTATE 53300). Both mean "busy, come back
 soon", never a bug: HTTP answers 503 with ``Retry-After: DB_BUSY_RETRY_AFTER_S`` (see
-``controlplane.overload``, the API's exception handler and the agent protocol's views), and Celery
+``common.overload``, the API's exception handler and the agent protocol's views), and Celery
 tasks run again later (``retry_when_busy``, ``skip_when_busy``).
 """
 

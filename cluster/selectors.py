@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
-from agents.models import FREE_DEVICE, Device, offering
+from cluster.models import FREE_DEVICE, Device, offering
 
 
 def free_devices(backend: str | None = None) -> QuerySet[Device]:

@@ -1,4 +1,4 @@
-"""503 with Retry-After for the views that found the database busy (``controlplane.dbbusy``).
+"""503 with Retry-After for the views that found the database busy (``common.dbbusy``).
 
 DRF views answer through the API's exception handler, which does the same; the middleware covers
 every other view (dashboard pages, the admin, /metrics).
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 
-from controlplane.api.errors import error_body
-from controlplane.dbbusy import busy_message, is_database_busy, retry_after_s
+from common.api.errors import error_body
+from common.dbbusy import busy_message, is_database_busy, retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def busy_response(request: HttpRequest) -> HttpResponse:
         response = JsonResponse(error_body(503, "database_busy", busy_message()), status=503)
     else:
         html = render_to_string(
-            "controlplane/busy.html", {"message": busy_message(), "retry_after_s": retry_after_s()}
+            "common/busy.html", {"message": busy_message(), "retry_after_s": retry_after_s()}
         )
         response = HttpResponse(html, status=503)
     response["Retry-After"] = str(retry_after_s())

@@ -13,7 +13,7 @@ from django.db import models
 from django.http import HttpRequest, HttpResponse
 from django.utils.decorators import sync_and_async_middleware
 
-from controlplane.models import ActorType, AuditEvent
+from common.models import ActorType, AuditEvent
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("dynarl_request_id", default="")

@@ -21,7 +21,7 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from controlplane.models import ApiToken, hash_token
+from common.models import ApiToken, hash_token
 
 TOKEN_TOUCH_INTERVAL = timedelta(minutes=1)
 BEARER = "Bearer"
@@ -74,7 +74,7 @@ def touch(token: ApiToken) -> None:
 class ApiTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
     """Documents the bearer token in the OpenAPI schema (and the Authorize button of Swagger UI)."""
 
-    target_class = "controlplane.api.authentication.ApiTokenAuthentication"
+    target_class = "common.api.authentication.ApiTokenAuthentication"
     name = "bearerAuth"
 
     def get_security_definition(self, auto_schema: Any) -> dict[str, str]:

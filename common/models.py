@@ -1,4 +1,6 @@
-"""Cross-cutting records: the audit trail and API tokens."""
+"""Cross-cutting records: the audit trail and API tokens.
+
+Both tables keep the names they had in the ``controlplane`` app, where they were first created."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class AuditEvent(models.Model):
     request_id = models.CharField(max_length=64, blank=True, default="", db_index=True)
 
     class Meta:
+        db_table = "controlplane_auditevent"
         ordering = ["-at", "-id"]
         indexes = [
             models.Index(fields=["object_type", "object_id", "-at"]),
@@ -68,6 +71,7 @@ class ApiToken(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "controlplane_apitoken"
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
