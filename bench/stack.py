@@ -8,7 +8,7 @@
 - what a run creates and how it is removed again (``Run``, ``bootstrap``, ``cleanup``), and the
   waiting, stopping and reporting helpers they share.
 
-``make run`` supervises the same daphne and Celery command lines through ``controlplane.supervise``.
+The command lines are ``controlplane.processes``'s, the ones ``make run`` supervises.
 Functions that touch the database import Django's models inside: they run only after the caller
 has set Django up (``setup_django``), which a module imported by the agents' processes must not do.
 """
@@ -32,15 +32,10 @@ from typing import IO, Any
 
 import psutil
 
+from controlplane.processes import celery_command, daphne_command
+
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ASGI_APPLICATION = "controlplane.asgi:application"
-
-
-def daphne_command(*bind: str, verbosity: int = 0) -> list[str]:
-    """daphne serving the control plane; ``bind`` is daphne's own: ``-b HOST -p PORT`` or ``--fd N``.
-    Verbosity 1 logs every request (the live tests read it); benchmarks keep it quiet."""
-    return [sys.executable, "-m", "daphne", "-v", str(verbosity), *bind, ASGI_APPLICATION]
 
 
 def free_port() -> int:
@@ -102,20 +97,8 @@ def wait_for(
     raise SystemExit(f"timed out after {timeout_s:g} s waiting for {what}; logs in {workdir}")
 
 
-def celery_command(kind: str, workdir: Path, *, hostname: str, concurrency: int | None = None) -> list[str]:
-    """``celery -A controlplane worker|beat``: a worker named ``hostname`` with ``concurrency``
-    processes (None: one, in the worker's own process), or beat keeping its schedule in ``workdir``."""
-    args = [sys.executable, "-m", "celery", "-A", "controlplane", kind, "--loglevel", "WARNING"]
-    if kind == "worker":
-        pool = ["--pool", "solo"] if concurrency is None else ["--concurrency", str(concurrency)]
-        args += [*pool, "--hostname", hostname, "--without-mingle", "--without-gossip"]
-    else:
-        args += ["--schedule", str(workdir / "celerybeat-schedule")]
-    return args
-
-
 def start_celery(kind: str, workdir: Path, tag: str, concurrency: int) -> subprocess.Popen[bytes]:
-    args = celery_command(kind, workdir, hostname=f"{tag}@%h", concurrency=concurrency)
+    args = celery_command(kind, workdir, hostname=f"{tag}@%h", concurrency=concurrency, standalone=True)
     log = open(workdir / f"{kind}.log", "wb")  # noqa: SIM115 - the process holds it until it ends
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
     return subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -136,7 +119,7 @@ def start_servers(sock: socket.socket, count: int, log: IO[bytes]) -> list[subpr
     interpreter lock), so a server runs one per core, as a deployment would."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "LOG_LEVEL": "WARNING"}
     fd = sock.fileno()
-    args = daphne_command("--fd", str(fd))
+    args = daphne_command("--fd", str(fd), verbosity=0)
     procs = [
         subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
         for _ in range(count)

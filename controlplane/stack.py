@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.embedded import EmbeddedPostgres, EmbeddedRedis
+from controlplane.processes import celery_command, daphne_command, sim_agent_command
 from controlplane.supervise import Supervisor
 
 log = logging.getLogger("dynarl.stack")
@@ -54,23 +56,25 @@ DEMO_JOBS = ("math-1.5b-dynarl.yaml", "agentic-1.5b.yaml")
 
 
 def build_processes(env: dict[str, str], host: str, port: int, demo_nodes: int) -> dict[str, str]:
-    python = sys.executable
-    data_dir = env["DYNARL_DATA_DIR"]
+    data_dir = Path(env["DYNARL_DATA_DIR"])
     processes = {
-        "web": f"{python} -m daphne -b {host} -p {port} controlplane.asgi:application",
-        "worker": f"{python} -m celery -A controlplane worker --loglevel WARNING --concurrency 2 "
-        f"--hostname worker@%h",
-        "beat": f"{python} -m celery -A controlplane beat --loglevel WARNING "
-        f"--schedule {data_dir}/celerybeat-schedule",
+        "web": shlex.join(daphne_command("-b", host, "-p", str(port))),
+        "worker": shlex.join(celery_command("worker", data_dir, hostname="worker@%h", concurrency=2)),
+        "beat": shlex.join(celery_command("beat", data_dir, hostname="beat@%h")),
     }
     for i in range(demo_nodes):
         name = f"sim-node-{i}"
         hardware = DEMO_HARDWARE[i % len(DEMO_HARDWARE)]
-        processes[name] = (
-            f"{python} -m agents.daemon --url http://{host}:{port} "
-            f"--bootstrap-token-file {data_dir}/agent-bootstrap-token --backend sim "
-            f"--backend-option gpus=8 --backend-option hardware={hardware} --backend-option seed={i} --backend-option speed=2 "
-            f"--host {name} --state-dir {data_dir}/agents/{name} --log-level WARNING --no-nvml"
+        processes[name] = shlex.join(
+            sim_agent_command(
+                f"http://{host}:{port}",
+                host=name,
+                data_dir=data_dir,
+                hardware=hardware,
+                gpus=8,
+                seed=i,
+                speed=2,
+            )
         )
     return processes
 

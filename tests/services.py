@@ -15,7 +15,8 @@ from typing import Any
 
 import psutil
 
-from bench.stack import REPO_ROOT, celery_command, free_port, stop_process_tree, wait_until
+from bench.stack import REPO_ROOT, free_port, stop_process_tree, wait_until
+from controlplane.processes import celery_command
 from controlplane.supervise import read_status
 
 __all__ = ["REPO_ROOT", "celery_process", "free_port", "stop_process_tree", "wait_until"]
@@ -40,7 +41,7 @@ def memory_ceiling(extra_bytes: int) -> Iterator[None]:
 @contextmanager
 def celery_process(kind: str, env: dict[str, str], workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A real ``celery -A controlplane worker|beat`` process using the given environment."""
-    args = celery_command(kind, workdir, hostname=f"test-{os.getpid()}@%h")
+    args = celery_command(kind, workdir, hostname=f"test-{os.getpid()}@%h", standalone=True)
     log = open(workdir / f"{kind}.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -39,9 +39,9 @@ from django.conf import settings
 from django.utils import timezone
 
 from agents.models import BootstrapToken
-from bench.stack import daphne_command
 from cluster.models import Node, NodeStatus
 from common.models import ApiToken, hash_token
+from controlplane.processes import daphne_command
 from tests.factories import make_user
 from tests.services import REPO_ROOT, celery_process, free_port, stop_process_tree, wait_until
 
@@ -91,7 +91,7 @@ class LiveServer:
         self.starts += 1
         log = open(self.logs / f"daphne-{self.starts}.log", "wb")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
-            daphne_command("-b", "127.0.0.1", "-p", str(self.port), verbosity=1),
+            daphne_command("-b", "127.0.0.1", "-p", str(self.port)),
             cwd=REPO_ROOT,
             env=self.env,
             stdout=log,
