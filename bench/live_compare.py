@@ -393,9 +393,9 @@ def dump_run(job: Any, path: Path) -> None:
     from rest_framework.renderers import JSONRenderer
 
     from common.models import AuditEvent
+    from scheduler import selectors
     from scheduler.api import TelemetryHistorySerializer
     from scheduler.models import Migration, SchedulingDecision, Tick
-    from scheduler.services import history
 
     start = job.started_at
 
@@ -452,7 +452,7 @@ def dump_run(job: Any, path: Path) -> None:
             }
             for m in Migration.objects.filter(job=job).order_by("created_at")
         ],
-        "telemetry": TelemetryHistorySerializer(history.job_telemetry(job, since=start)).data,
+        "telemetry": TelemetryHistorySerializer(selectors.job_telemetry(job, since=start)).data,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(JSONRenderer().render(data))

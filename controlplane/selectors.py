@@ -6,6 +6,8 @@ job's GPUs (the worker keeps them until the node comes back or the job lets them
 counted as the job's and component's ``lost``.
 
 ``job_hello`` and ``cluster_hello``: what a WebSocket client sees on connect (and on resync).
+
+``nodes_with_device_counts`` and ``devices_with_holders``: the node and device lists.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db.models import Avg, Count, Prefetch, Q, QuerySet
 
 from cluster.models import Device, DeviceStatus, Node, NodeStatus
-from jobs.models import Job, JobState
+from jobs.models import CURRENT_WORKER_STATES, Job, JobState, Worker
 from scheduler.models import (
     OPEN_MIGRATION_STATES,
     Alert,
@@ -170,3 +172,34 @@ def cluster_hello() -> dict[str, Any]:
         "migrations_in_flight": Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).count(),
         "open_alerts": alerts,
     }
+
+
+def nodes_with_device_counts() -> QuerySet[Node]:
+    """Nodes with their devices counted by status and their mean utilisation."""
+    return (
+        Node.objects.annotate(
+            devices_total=Count("devices", distinct=True),
+            devices_free=Count("devices", filter=Q(devices__status=DeviceStatus.FREE), distinct=True),
+            devices_allocated=Count(
+                "devices", filter=Q(devices__status=DeviceStatus.ALLOCATED), distinct=True
+            ),
+            devices_lost=Count("devices", filter=Q(devices__status=DeviceStatus.LOST), distinct=True),
+            utilisation_mean=Avg("devices__utilisation"),
+        )
+        .prefetch_related(Prefetch("devices", queryset=Device.objects.only("id", "node_id", "hardware")))
+        .order_by("name")
+    )
+
+
+def devices_with_holders() -> QuerySet[Device]:
+    """Devices with their node, owning worker, group and job, and the workers time-sharing them."""
+    return (
+        Device.objects.select_related("node", "worker__group__job")
+        .prefetch_related(
+            Prefetch(
+                "colocated_workers",
+                queryset=Worker.objects.filter(state__in=CURRENT_WORKER_STATES).select_related("group"),
+            )
+        )
+        .order_by("node__name", "index")
+    )

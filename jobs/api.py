@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Prefetch, QuerySet
+from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
@@ -30,13 +30,13 @@ from rest_framework.parsers import BaseParser, JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from cluster.models import Device
 from common.api.schema import error_response
 from common.audit import Actor
 from common.bodies import read_limited
 from jobs import services
 from jobs.filters import JobFilter, WorkerGroupFilter
-from jobs.models import Job, Worker, WorkerGroup, WorkerState
+from jobs.models import Job, WorkerGroup
+from jobs.selectors import jobs_with_gpus, with_allocation
 from jobs.serializers import (
     JobActionSerializer,
     JobDetailSerializer,
@@ -47,8 +47,6 @@ from jobs.spec import FieldError, SpecError, load_json
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 IDEMPOTENCY_KEY_MAX = 200  # Job.idempotency_key's length
-# Workers that hold devices now or are about to: what "the current allocation" shows.
-CURRENT_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
 
 
 # --- request bodies ----------------------------------------------------------------------------
@@ -188,30 +186,6 @@ components:
   - {name: actor, kind: actor, workers: 2, depends_on: [rollout]}
 policy: {name: dynarl}
 """
-
-
-# --- querysets ---------------------------------------------------------------------------------
-
-
-def with_allocation(groups: QuerySet[WorkerGroup]) -> QuerySet[WorkerGroup]:
-    """Groups with their current workers (as ``current_workers``), devices and latest signals."""
-    devices = Device.objects.select_related("node").order_by("node__name", "index")
-    current = (
-        Worker.objects.filter(state__in=CURRENT_WORKER_STATES)
-        .order_by("id")
-        .prefetch_related(
-            Prefetch("devices", queryset=devices), Prefetch("colocated_devices", queryset=devices)
-        )
-    )
-    return groups.select_related("signals").prefetch_related(
-        Prefetch("workers", queryset=current, to_attr="current_workers")
-    )
-
-
-def jobs_with_gpus() -> QuerySet[Job]:
-    return Job.objects.select_related("owner").annotate(
-        allocated_gpus=Count("groups__workers__devices", distinct=True)
-    )
 
 
 # --- views -------------------------------------------------------------------------------------

@@ -172,6 +172,8 @@ WORKER_TRANSITIONS: dict[str, frozenset[str]] = {
     WorkerState.FAILED: frozenset(),
 }
 LIVE_WORKER_STATES = frozenset({WorkerState.STARTING, WorkerState.RUNNING})
+# Workers that hold devices now or are about to; stopped ones no longer hold or share a device.
+CURRENT_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
 
 
 class Worker(models.Model):

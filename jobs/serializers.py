@@ -95,7 +95,7 @@ class WorkerSerializer(serializers.ModelSerializer):
 class WorkerGroupSerializer(serializers.ModelSerializer):
     """A HyperNode: one component's workers and the devices they hold now.
 
-    Expects ``current_workers`` prefetched (see ``jobs.api.with_allocation``)."""
+    Expects ``current_workers`` prefetched (see ``jobs.selectors.with_allocation``)."""
 
     gpus = serializers.SerializerMethodField(help_text="devices owned by its current workers")
     workers = WorkerSerializer(

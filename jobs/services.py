@@ -21,7 +21,6 @@ from common.audit import Actor
 from jobs import agent_commands
 from jobs.admission import admit_pending
 from jobs.models import (
-    ACTIVE_JOB_STATES,
     LIVE_WORKER_STATES,
     Job,
     JobReason,
@@ -189,7 +188,3 @@ def resume_scheduling(job_id: int, actor: Actor, detail: str = "") -> Job:
         job = _locked(job_id)
         transition(job, JobState.RUNNING, JobReason.RESUMED_BY_OPERATOR, actor, detail)
     return job
-
-
-def active_jobs() -> Any:
-    return Job.objects.filter(state__in=ACTIVE_JOB_STATES)

@@ -29,6 +29,7 @@ from common.api.filters import BIGINT_MAX, BIGINT_MIN
 from common.api.schema import error_response
 from common.audit import Actor
 from jobs.models import Job
+from scheduler import selectors
 from scheduler.filters import (
     AlertFilter,
     DecisionFilter,
@@ -59,7 +60,6 @@ from scheduler.serializers import (
     SnapshotSummarySerializer,
     TickSerializer,
 )
-from scheduler.services import history
 from scheduler.services.migrations import request_manual_migration
 
 # --- snapshots ---------------------------------------------------------------------------------
@@ -433,7 +433,7 @@ class JobTimelineView(APIView):
         """Rebuilt from the job's worker rows, snapshots and migrations: one segment per device
         and worker that held it; migrations mark when devices changed hands."""
         job = get_object_or_404(Job, pk=pk)
-        return Response(TimelineSerializer(history.job_timeline(job)).data)
+        return Response(TimelineSerializer(selectors.job_timeline(job)).data)
 
 
 class JobTelemetryView(APIView):
@@ -451,7 +451,7 @@ class JobTelemetryView(APIView):
         job = get_object_or_404(Job, pk=pk)
         query = TelemetryQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
-        found = history.job_telemetry(job, since=query.validated_data.get("since"))
+        found = selectors.job_telemetry(job, since=query.validated_data.get("since"))
         return Response(TelemetryHistorySerializer(found).data)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from django.db.models import Avg, Count, Prefetch, Q, QuerySet
+from django.db.models import QuerySet
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
@@ -20,7 +20,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from cluster.models import Device, DeviceStatus, Node
+from cluster.models import Device, Node
 from common.api import exports
 from common.api.permissions import AnyRole
 from common.api.tokens import issue_token, revoke_token
@@ -39,8 +39,7 @@ from controlplane.api.serializers import (
     TokenSerializer,
     WhoAmISerializer,
 )
-from controlplane.selectors import cluster_summary
-from jobs.models import Worker, WorkerState
+from controlplane.selectors import cluster_summary, devices_with_holders, nodes_with_device_counts
 
 # --- identity ----------------------------------------------------------------------------------
 
@@ -195,9 +194,6 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
 
 # --- nodes and devices -------------------------------------------------------------------------
 
-# Workers that hold devices now or are about to; stopped ones no longer share a device.
-CURRENT_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.STOPPING)
-
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     """GPU hosts: status, heartbeat, their devices by state and their mean utilisation."""
@@ -207,19 +203,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_class = NodeFilter
 
     def get_queryset(self) -> QuerySet[Node]:
-        return (
-            Node.objects.annotate(
-                devices_total=Count("devices", distinct=True),
-                devices_free=Count("devices", filter=Q(devices__status=DeviceStatus.FREE), distinct=True),
-                devices_allocated=Count(
-                    "devices", filter=Q(devices__status=DeviceStatus.ALLOCATED), distinct=True
-                ),
-                devices_lost=Count("devices", filter=Q(devices__status=DeviceStatus.LOST), distinct=True),
-                utilisation_mean=Avg("devices__utilisation"),
-            )
-            .prefetch_related(Prefetch("devices", queryset=Device.objects.only("id", "node_id", "hardware")))
-            .order_by("name")
-        )
+        return nodes_with_device_counts()
 
 
 class DeviceViewSet(viewsets.ReadOnlyModelViewSet):
@@ -230,16 +214,7 @@ class DeviceViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_class = DeviceFilter
 
     def get_queryset(self) -> QuerySet[Device]:
-        return (
-            Device.objects.select_related("node", "worker__group__job")
-            .prefetch_related(
-                Prefetch(
-                    "colocated_workers",
-                    queryset=Worker.objects.filter(state__in=CURRENT_WORKER_STATES).select_related("group"),
-                )
-            )
-            .order_by("node__name", "index")
-        )
+        return devices_with_holders()
 
 
 # --- cluster -----------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from cluster.models import Device
 from common.audit import Actor
 from jobs import services
 from jobs.models import Job, Worker, WorkerState
+from scheduler import migrations, selectors, snapshots
 from scheduler.models import MigrationState, TelemetrySample
-from scheduler.services import history, migrations, snapshots
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 from tests.scheduler.test_migrations import deliver_all
 
@@ -26,7 +26,7 @@ def running_job() -> Job:
     return mark_running(submit(make_user("alice"), spec(rollout=6, actor=2)))
 
 
-def holders(timeline: history.Timeline) -> dict[str, list[tuple[str, str, bool]]]:
+def holders(timeline: selectors.Timeline) -> dict[str, list[tuple[str, str, bool]]]:
     """device -> [(group, worker, still holding)] in time order."""
     found: dict[str, list[tuple[str, str, bool]]] = {}
     for segment in timeline.segments:
@@ -43,7 +43,7 @@ def initial_owner(job: Job) -> dict[str, tuple[str, str]]:
 
 def test_a_running_job_holds_each_device_from_admission(running_job: Job) -> None:
     owners = initial_owner(running_job)
-    timeline = history.job_timeline(running_job)
+    timeline = selectors.job_timeline(running_job)
 
     assert [d.uid for d in timeline.devices] == sorted(owners)  # node, then index
     assert holders(timeline) == {uid: [(group, worker, True)] for uid, (group, worker) in owners.items()}
@@ -64,7 +64,7 @@ def test_a_committed_migration_hands_the_moved_devices_over(running_job: Job) ->
     moved = set(migration.device_uids)
     assert migration.finished_at is not None
 
-    timeline = history.job_timeline(running_job)
+    timeline = selectors.job_timeline(running_job)
     by_device = holders(timeline)
     for uid, (group, worker) in owners.items():
         if uid not in moved:
@@ -100,7 +100,7 @@ def test_a_rolled_back_migration_leaves_the_owners_alone(running_job: Job) -> No
     migration.refresh_from_db()
     assert migration.state == MigrationState.ROLLED_BACK
 
-    timeline = history.job_timeline(running_job)
+    timeline = selectors.job_timeline(running_job)
     assert holders(timeline) == {uid: [(group, worker, True)] for uid, (group, worker) in owners.items()}
     (mark,) = timeline.migrations
     assert mark.state == MigrationState.ROLLED_BACK and set(mark.device_uids) == set(migration.device_uids)
@@ -119,7 +119,7 @@ def test_stopped_workers_keep_their_history_from_the_snapshots(running_job: Job)
     assert not Device.objects.filter(worker__isnull=False).exists()
     running_job.refresh_from_db()
 
-    timeline = history.job_timeline(running_job)
+    timeline = selectors.job_timeline(running_job)
     assert holders(timeline) == {uid: [(group, worker, False)] for uid, (group, worker) in owners.items()}
     assert {s.end for s in timeline.segments} == {stopped_at}
     assert running_job.finished_at is not None and timeline.end == running_job.finished_at
@@ -128,7 +128,7 @@ def test_stopped_workers_keep_their_history_from_the_snapshots(running_job: Job)
 def test_a_job_never_admitted_has_an_empty_timeline(running_job: Job) -> None:
     job = submit(make_user("bob"), spec(rollout=1, actor=1))  # every GPU is taken: it waits
     assert job.state == "pending"
-    timeline = history.job_timeline(job)
+    timeline = selectors.job_timeline(job)
     assert (timeline.devices, timeline.segments, timeline.migrations) == ((), (), ())
 
 
@@ -160,7 +160,7 @@ def test_telemetry_is_aggregated_per_group_and_bucket(running_job: Job) -> None:
     bucket(current, rollout[0], utilisation=0.2, tokens=100)  # 5 s into its 10 s bucket
     bucket(previous, actor[0], utilisation=1.0, tokens=0)
 
-    found = history.job_telemetry(running_job, now=now)
+    found = selectors.job_telemetry(running_job, now=now)
     series = {g.group: g for g in found.groups}
     assert set(series) == {"rollout", "actor"} and series["rollout"].kind == "rollout"
     assert found.bucket_s == 10.0 and found.since == now - timedelta(hours=1)
@@ -176,7 +176,7 @@ def test_telemetry_is_aggregated_per_group_and_bucket(running_job: Job) -> None:
     (only,) = series["actor"].points
     assert only.utilisation_mean == 1.0 and only.tokens_per_s == 0.0
 
-    newer = history.job_telemetry(running_job, since=current, now=now)
+    newer = selectors.job_telemetry(running_job, since=current, now=now)
     assert [p.at for g in newer.groups for p in g.points] == [current]
     assert {g.group: len(g.points) for g in newer.groups} == {"rollout": 1, "actor": 0}
 
@@ -187,6 +187,6 @@ def test_telemetry_of_another_job_is_not_mixed_in(running_job: Job) -> None:
     worker = Worker.objects.filter(group__job=other, group__name="rollout").first()
     assert worker is not None
     bucket(timezone.now() - timedelta(seconds=30), worker, utilisation=0.5, tokens=10)
-    found = history.job_telemetry(running_job)
+    found = selectors.job_telemetry(running_job)
     assert all(g.points == () for g in found.groups)
-    assert [len(g.points) for g in history.job_telemetry(other).groups if g.group == "rollout"] == [1]
+    assert [len(g.points) for g in selectors.job_telemetry(other).groups if g.group == "rollout"] == [1]

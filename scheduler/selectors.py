@@ -1,4 +1,4 @@
-"""A job's history for its page: which component held each GPU over time (the ownership
+"""Read-side queries of the scheduler: a job's history for its page: which component held each GPU over time (the ownership
 timeline), and per-group utilisation and throughput over time (from the telemetry buckets).
 
 Devices keep only their current owner, so the timeline is rebuilt from what was recorded along
