@@ -1,5 +1,6 @@
-"""Read-side queries of the scheduler: a job's history for its page: which component held each GPU over time (the ownership
-timeline), and per-group utilisation and throughput over time (from the telemetry buckets).
+"""Read-side queries of the scheduler: a job's history for its page, which component held each
+GPU over time (the ownership timeline), and per-group utilisation and throughput over time (from
+the telemetry buckets).
 
 Devices keep only their current owner, so the timeline is rebuilt from what was recorded along
 the way: every worker row (its group, when it was created and stopped), the devices each worker
