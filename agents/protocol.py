@@ -38,7 +38,7 @@ from common.audit import current_request_id
 from common.bodies import BodyTooLarge, read_limited
 from common.dbbusy import busy_message, is_database_busy, retry_after_s
 from common.transitions import IllegalTransition
-from scheduler.services.migrations import StepNotForNode, StepNotFound
+from scheduler.services.gpu_migrations import StepNotForNode, StepNotFound
 from scheduler.telemetry import FieldError, TelemetryError
 
 log = logging.getLogger(__name__)

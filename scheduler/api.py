@@ -60,7 +60,7 @@ from scheduler.serializers import (
     SnapshotSummarySerializer,
     TickSerializer,
 )
-from scheduler.services.migrations import request_manual_migration
+from scheduler.services.gpu_migrations import request_manual_migration
 
 # --- snapshots ---------------------------------------------------------------------------------
 

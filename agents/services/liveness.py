@@ -20,7 +20,7 @@ from common import audit
 from common.audit import Actor
 from common.models import AuditEvent
 from jobs.models import LIVE_WORKER_STATES, WorkerGroup, WorkerState
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 
 NODE_LOST_FLAG_PREFIX = "node lost: "  # WorkerGroup.flag_reason of groups flagged by a lost node
 LIVENESS_ACTOR = Actor.system("liveness")
@@ -37,7 +37,7 @@ def detect_lost_nodes(now: datetime | None = None) -> list[str]:
     for node_id in silent.values_list("pk", flat=True):
         node = mark_node_lost(node_id, cutoff=cutoff, now=now)
         if node is not None:
-            migrations.roll_back_node(node, LIVENESS_ACTOR)
+            gpu_migrations.roll_back_node(node, LIVENESS_ACTOR)
             lost.append(node.name)
     return lost
 

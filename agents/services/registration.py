@@ -31,7 +31,7 @@ from jobs.admission import admit_pending
 from jobs.models import LIVE_WORKER_STATES, Job, Worker, WorkerGroup
 from jobs.spec import BACKENDS as JOB_BACKENDS
 from scheduler import telemetry
-from scheduler.services.migrations import workers_released_in_flight, workers_switched_in_flight
+from scheduler.services.gpu_migrations import workers_released_in_flight, workers_switched_in_flight
 from scheduler.telemetry import FieldError
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")

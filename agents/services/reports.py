@@ -27,8 +27,8 @@ from jobs.admission import admit_pending
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerState
 from jobs.states import transition
 from scheduler.models import MigrationStep
-from scheduler.services import migrations
-from scheduler.services.migrations import StepNotForNode, StepNotFound
+from scheduler.services import gpu_migrations
+from scheduler.services.gpu_migrations import StepNotForNode, StepNotFound
 from scheduler.telemetry import FieldError
 
 
@@ -166,7 +166,7 @@ def _report_step(node: Node, command: AgentCommand, report: Report) -> ReportOut
         if command.state in FINISHED_COMMAND_STATES:
             return ReportOutcome(command, repeated=True)
         step = command.payload.get("step", {})
-        migrations.report_step(
+        gpu_migrations.report_step(
             node,
             step.get("step_id", ""),
             ok=report.ok,

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from common.api.errors import ApiError, FieldProblem, handle_exception, summarise
 from jobs.services import IdempotencyConflict, SubmissionRefused
 from jobs.spec import SpecError
-from scheduler.services.migrations import ManualMigrationError
+from scheduler.services.gpu_migrations import ManualMigrationError
 
 
 def domain_error(exc: BaseException) -> ApiError | None:

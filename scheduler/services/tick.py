@@ -35,7 +35,7 @@ from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals
 from scheduler.models import GroupSignalsRecord, SchedulingDecision, Tick
-from scheduler.services import migrations, predictor_errors, snapshots
+from scheduler.services import gpu_migrations, predictor_errors, snapshots
 from scheduler.services.graph import build_hypergraph, core_device
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def run_tick(job_id: int) -> Tick | None:
         policy_ms = 0.0
         decisions = 0
 
-        in_flight = migrations.open_migration(job)
+        in_flight = gpu_migrations.open_migration(job)
         if in_flight is not None:
             # A step report holds the migration's lock and then needs the job's: never wait for it
             # while holding the job (that order deadlocks). The report drives the migration itself.
@@ -87,8 +87,8 @@ def run_tick(job_id: int) -> Tick | None:
                 type(in_flight).objects.select_for_update(skip_locked=True).filter(pk=in_flight.pk).first()
             )
             if migration is not None:
-                migrations.fail_stuck_steps(migration, now=now)
-                migrations.advance(migration)
+                gpu_migrations.fail_stuck_steps(migration, now=now)
+                gpu_migrations.advance(migration)
             outcome = "migration_in_flight"
         elif _iterations_done(job, signals):
             outcome = "finished"
@@ -100,7 +100,7 @@ def run_tick(job_id: int) -> Tick | None:
             policy = build_policy(
                 job.policy,
                 predictor=predictor,
-                cost_model=migrations.cost_model_for(job),
+                cost_model=gpu_migrations.cost_model_for(job),
                 params=job.spec.get("policy", {}).get("params", {}),
             )
             policy.load_state(job.policy_state.get("policy", {}))
@@ -212,7 +212,7 @@ def _start(
     )
     try:
         with transaction.atomic():
-            migrations.create_migration(job, decision_row, decision, graph, actor=Actor.scheduler())
+            gpu_migrations.create_migration(job, decision_row, decision, graph, actor=Actor.scheduler())
     except PlanError as exc:
         # The policy proposed something the planner refuses: keep the decision, say why.
         decision_row.detail = f"{decision_row.detail} [not carried out: {exc}]"

@@ -22,7 +22,7 @@ from common.audit import Actor
 from common.models import AuditEvent, hash_token
 from jobs.models import Job, JobState, Worker, WorkerState
 from scheduler.models import Migration, MigrationStep, StepState, TelemetrySample
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 from tests.agent_daemon.conftest import AgentProcess, LiveServer
 from tests.factories import make_user, spec, submit
 from tests.services import free_port, wait_until
@@ -61,7 +61,7 @@ def running_job(agent: AgentProcess) -> Job:
 
 
 def migrate(job: Job) -> Migration:
-    return migrations.request_manual_migration(
+    return gpu_migrations.request_manual_migration(
         job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(job.owner)
     )
 

@@ -22,7 +22,7 @@ from jobs import services as job_services
 from jobs.admission import admit_pending
 from jobs.models import Job, WorkerGroup
 from scheduler.models import Migration, MigrationState
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 from tests.agents.conftest import Agent, register
 from tests.factories import make_user, spec, submit
 from tests.services import wait_until
@@ -102,7 +102,7 @@ def test_free_devices_of_a_lost_node_are_lost(client: Client, bootstrap: str, se
 
 def test_lost_node_rolls_back_its_migration(cluster: tuple[dict[str, Agent], Job]) -> None:
     agents, job = cluster
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(job.owner)
     )
     step_nodes = set(migration.steps.get(state="running").nodes)

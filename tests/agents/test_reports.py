@@ -15,7 +15,7 @@ from common.models import AuditEvent
 from jobs import services as job_services
 from jobs.models import Job, JobReason, JobState, JobTransition, Worker, WorkerState
 from scheduler.models import MigrationStep, StepState
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 from tests.agents.conftest import Agent, register
 from tests.factories import make_user, spec, submit
 
@@ -172,7 +172,7 @@ def test_step_reports_drive_the_migration(client: Client, bootstrap: str) -> Non
     for host, command in launch_commands(agents).items():
         agents[host].report(command["command_id"], {"ok": True})
     assert state_of(job)[0] == JobState.RUNNING
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(owner)
     )
     for _ in range(100):
@@ -202,7 +202,7 @@ def first_step_command(client: Client, bootstrap: str) -> tuple[dict[str, Agent]
     job = submit(owner, spec(rollout=6, actor=2))
     for host, command in launch_commands(agents).items():
         agents[host].report(command["command_id"], {"ok": True})
-    migrations.request_manual_migration(
+    gpu_migrations.request_manual_migration(
         job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(owner)
     )
     command = AgentCommand.objects.filter(kind="migration_step").select_related("node").first()

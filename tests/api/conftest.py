@@ -25,7 +25,7 @@ from scheduler.models import (
     PredictorScope,
     Tick,
 )
-from scheduler.services import migrations, snapshots
+from scheduler.services import gpu_migrations, snapshots
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 
 ROLES = ("admin", "operator", "viewer")
@@ -79,7 +79,7 @@ def play_agents() -> None:
         for command in queued:
             command.state = CommandState.DELIVERED
             command.save(update_fields=["state"])
-            migrations.report_step(
+            gpu_migrations.report_step(
                 command.node, command.payload["step"]["step_id"], ok=True, attempt=command.payload["attempt"]
             )
     raise AssertionError("migration did not settle")
@@ -94,7 +94,7 @@ def build_history(job: Job, operator: User) -> dict[str, Any]:
     """A committed manual migration (decision, steps), snapshots, predictor samples, a tick and
     alerts for a running ``job``."""
     first = snapshots.take(job, cause="admission")
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(operator)
     )
     play_agents()

@@ -18,10 +18,10 @@ from jobs.models import LIVE_WORKER_STATES, Job, JobState
 from scheduler.core.decisions import Decision, Reason
 from scheduler.core.migration import PlanError
 from scheduler.models import Migration, MigrationState, SchedulingDecision
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 from scheduler.services.graph import build_hypergraph
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
-from tests.scheduler.test_migrations import deliver_all
+from tests.scheduler.test_gpu_migrations import deliver_all
 
 pytestmark = pytest.mark.django_db
 
@@ -59,7 +59,7 @@ def grow_into_free(job: Job, group: str, device_uids: list[str]) -> Migration:
             device_uids=device_uids,
             chosen=decision.to_json(),
         )
-        return migrations.create_migration(locked, row, decision, graph, actor=Actor.scheduler())
+        return gpu_migrations.create_migration(locked, row, decision, graph, actor=Actor.scheduler())
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from jobs.models import Job, Worker, WorkerState
 from scheduler import migrations, selectors, snapshots
 from scheduler.models import MigrationState, TelemetrySample
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
-from tests.scheduler.test_migrations import deliver_all
+from tests.scheduler.test_gpu_migrations import deliver_all
 
 pytestmark = pytest.mark.django_db
 

@@ -18,7 +18,7 @@ from scheduler.core.decisions import Reason
 from scheduler.models import HypergraphSnapshot, Migration, MigrationState, SchedulingDecision, Tick
 from scheduler.services import tick
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
-from tests.scheduler.test_migrations import deliver_all
+from tests.scheduler.test_gpu_migrations import deliver_all
 
 
 @pytest.fixture(autouse=True)

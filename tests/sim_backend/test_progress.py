@@ -18,7 +18,7 @@ from common.audit import Actor
 from common.models import AuditEvent
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 from scheduler.telemetry import TelemetryError
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 
@@ -390,7 +390,7 @@ class Cluster:
                 result, ok, error = self.backends[command.node.name].execute_step(payload), True, ""
             except StepFailed as exc:
                 result, ok, error = {}, False, str(exc)
-            migrations.report_step(
+            gpu_migrations.report_step(
                 command.node,
                 payload["step"]["step_id"],
                 ok=ok,
@@ -418,7 +418,7 @@ def test_sim_agents_run_a_job_through_the_control_plane_across_a_live_migration(
     cluster = Cluster(job, ManualClock())
     cluster.run(lambda: progress.group_progress(job.pk).get("rollout", (0, 1))[0] >= 1)
     # Mid-rollout, an operator moves a rollout GPU to the trainer: workload donor, p2p recipient.
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.system("test operator")
     )
     cluster.run(lambda: Migration.objects.get(pk=migration.pk).state != MigrationState.RUNNING)
@@ -453,7 +453,7 @@ def test_sim_agents_shrink_the_trainer_and_grow_the_rollout_through_the_control_
     )
     cluster = Cluster(job, ManualClock())
     cluster.run(lambda: job.iteration >= 1)
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         job.pk, donor="actor", recipient="rollout", workers=1, actor=Actor.system("test operator")
     )
     leaving = migration.steps.get(kind="destroy_old", group="actor").worker_names

@@ -20,7 +20,7 @@ from scheduler.models import (
     SchedulingDecision,
     StepState,
 )
-from scheduler.services import migrations
+from scheduler.services import gpu_migrations
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 from tests.services import REPO_ROOT
 
@@ -54,7 +54,7 @@ def deliver_all(*, fail_kind: str | None = None, fail_times: int = 1) -> None:
             fail = step["kind"] == fail_kind and not command.payload["is_rollback"] and failures < fail_times
             if fail:
                 failures += 1
-            migrations.report_step(
+            gpu_migrations.report_step(
                 command.node,
                 step["step_id"],
                 ok=not fail,
@@ -77,7 +77,7 @@ def test_manual_migration_moves_devices_only_at_commit(running_job: Job) -> None
     before_rollout = group_devices(running_job, "rollout")
     before_actor = group_devices(running_job, "actor")
 
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(operator)
     )
     assert migration.state == MigrationState.RUNNING
@@ -104,19 +104,19 @@ def test_manual_migration_moves_devices_only_at_commit(running_job: Job) -> None
 
 
 def test_repeated_report_changes_nothing(running_job: Job) -> None:
-    migrations.request_manual_migration(
+    gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
     )
     command = queued_step_commands()[0]
     step_id = command.payload["step"]["step_id"]
-    migrations.report_step(command.node, step_id, ok=True, attempt=1)
+    gpu_migrations.report_step(command.node, step_id, ok=True, attempt=1)
     snapshot = (
         list(MigrationStep.objects.order_by("pk").values_list("step_id", "state", "attempts")),
         AuditEvent.objects.count(),
         AgentCommand.objects.count(),
     )
-    migrations.report_step(command.node, step_id, ok=True, attempt=1)
-    migrations.report_step(command.node, step_id, ok=False, error="late failure", attempt=1)
+    gpu_migrations.report_step(command.node, step_id, ok=True, attempt=1)
+    gpu_migrations.report_step(command.node, step_id, ok=False, error="late failure", attempt=1)
     assert (
         list(MigrationStep.objects.order_by("pk").values_list("step_id", "state", "attempts")),
         AuditEvent.objects.count(),
@@ -125,15 +125,15 @@ def test_repeated_report_changes_nothing(running_job: Job) -> None:
 
 
 def test_report_for_another_node_is_refused(running_job: Job) -> None:
-    migrations.request_manual_migration(
+    gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
     )
     command = queued_step_commands()[0]
     stranger = Node.objects.create(name="node-z")
-    with pytest.raises(migrations.StepNotForNode):
-        migrations.report_step(stranger, command.payload["step"]["step_id"], ok=True)
-    with pytest.raises(migrations.StepNotFound):
-        migrations.report_step(command.node, "no-such-step", ok=True)
+    with pytest.raises(gpu_migrations.StepNotForNode):
+        gpu_migrations.report_step(stranger, command.payload["step"]["step_id"], ok=True)
+    with pytest.raises(gpu_migrations.StepNotFound):
+        gpu_migrations.report_step(command.node, "no-such-step", ok=True)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ def test_report_for_another_node_is_refused(running_job: Job) -> None:
 )
 def test_trainer_failure_before_switch_keeps_the_old_trainer(running_job: Job, failing: str) -> None:
     before_actor = group_devices(running_job, "actor")
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     deliver_all(fail_kind=failing)
@@ -163,7 +163,7 @@ def test_trainer_failure_before_switch_keeps_the_old_trainer(running_job: Job, f
 
 
 def test_failure_after_switch_rolls_forward(running_job: Job) -> None:
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     deliver_all(fail_kind="destroy_old", fail_times=1)
@@ -175,7 +175,7 @@ def test_failure_after_switch_rolls_forward(running_job: Job) -> None:
 
 def test_donor_failure_before_release_rolls_everything_back(running_job: Job) -> None:
     before = (group_devices(running_job, "rollout"), group_devices(running_job, "actor"))
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     deliver_all(fail_kind="take_back_requests")
@@ -186,7 +186,7 @@ def test_donor_failure_before_release_rolls_everything_back(running_job: Job) ->
 
 def test_lost_node_rolls_its_migration_back(running_job: Job) -> None:
     before_actor = group_devices(running_job, "actor")
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     # Run the donor side, then lose a node while the trainer's new workers start.
@@ -196,13 +196,13 @@ def test_lost_node_rolls_its_migration_back(running_job: Job) -> None:
         if "start_workers" in kinds:
             break
         for c in commands:
-            migrations.report_step(
+            gpu_migrations.report_step(
                 c.node, c.payload["step"]["step_id"], ok=True, attempt=c.payload["attempt"]
             )
     target = queued_step_commands()[0].node
     Node.objects.filter(pk=target.pk).update(status=NodeStatus.LOST)
     target.refresh_from_db()
-    migrations.roll_back_node(target, Actor.system("liveness"))
+    gpu_migrations.roll_back_node(target, Actor.system("liveness"))
     deliver_all()
     migration.refresh_from_db()
     assert migration.state == MigrationState.ROLLED_BACK
@@ -220,15 +220,15 @@ def test_manual_migration_errors_name_the_field(running_job: Job) -> None:
         ({"donor": "rollout", "recipient": "actor", "workers": 6}, "workers"),  # would leave no rollout
     ]
     for kwargs, field in cases:
-        with pytest.raises(migrations.ManualMigrationError) as caught:
-            migrations.request_manual_migration(running_job.pk, actor=actor, **kwargs)
+        with pytest.raises(gpu_migrations.ManualMigrationError) as caught:
+            gpu_migrations.request_manual_migration(running_job.pk, actor=actor, **kwargs)
         assert caught.value.field == field, kwargs
     assert not Migration.objects.exists()
-    migrations.request_manual_migration(
+    gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=1, actor=actor
     )
-    with pytest.raises(migrations.ManualMigrationError) as caught:
-        migrations.request_manual_migration(
+    with pytest.raises(gpu_migrations.ManualMigrationError) as caught:
+        gpu_migrations.request_manual_migration(
             running_job.pk, donor="rollout", recipient="actor", workers=1, actor=actor
         )
     assert caught.value.field == "job"
@@ -239,8 +239,8 @@ def test_a_time_shared_device_is_not_moved_by_hand() -> None:
     owner = make_user("alice")
     colocated = json.loads((REPO_ROOT / "examples" / "math-1.5b-colocated.json").read_text())
     job = mark_running(submit(owner, colocated))
-    with pytest.raises(migrations.ManualMigrationError, match="time-shared") as caught:
-        migrations.request_manual_migration(
+    with pytest.raises(gpu_migrations.ManualMigrationError, match="time-shared") as caught:
+        gpu_migrations.request_manual_migration(
             job.pk, donor="rollout", recipient="reward", workers=1, actor=Actor.for_user(owner)
         )
     assert caught.value.field == "workers"
@@ -248,7 +248,7 @@ def test_a_time_shared_device_is_not_moved_by_hand() -> None:
 
 
 def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Job) -> None:
-    migrations.request_manual_migration(
+    gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     taken = [{"request_id": "r1", "generated": 120}, {"request_id": "r2", "generated": 7}]
@@ -259,7 +259,9 @@ def test_requests_taken_back_are_handed_to_the_redistribute_step(running_job: Jo
             break
         for c in commands:
             result = {"requests": taken} if c.payload["step"]["kind"] == "take_back_requests" else {}
-            migrations.report_step(c.node, c.payload["step"]["step_id"], ok=True, result=result, attempt=1)
+            gpu_migrations.report_step(
+                c.node, c.payload["step"]["step_id"], ok=True, result=result, attempt=1
+            )
     redistribute = queued_step_commands()
     assert redistribute and all(c.payload["step"]["kind"] == "redistribute_requests" for c in redistribute)
     take_back = MigrationStep.objects.get(kind="take_back_requests")
@@ -300,7 +302,7 @@ def test_a_growing_rollout_hands_what_its_old_engines_shed_to_the_new_ones(runni
     """actor -> rollout: the rollout's donor side takes nothing back (the trainer holds no
     requests), its recipient side sheds queued requests after the switch; the redistribute step
     gets exactly those, not another step's."""
-    migrations.request_manual_migration(
+    gpu_migrations.request_manual_migration(
         running_job.pk, donor="actor", recipient="rollout", workers=1, actor=Actor.for_user(running_job.owner)
     )
     shed = [{"episode": 4, "iteration": 0}, {"episode": 9, "iteration": 0}]
@@ -312,7 +314,7 @@ def test_a_growing_rollout_hands_what_its_old_engines_shed_to_the_new_ones(runni
         for c in commands:
             step = c.payload["step"]
             result = {"requests": shed} if step["kind"] == "shed_requests" else {}
-            migrations.report_step(
+            gpu_migrations.report_step(
                 c.node, step["step_id"], ok=True, result=result, attempt=c.payload["attempt"]
             )
     shed_step = MigrationStep.objects.get(kind="shed_requests")
@@ -334,14 +336,14 @@ def deliver_until(kind: str) -> None:
             return
         assert commands, f"no {kind} step was dispatched"
         for c in commands:
-            migrations.report_step(
+            gpu_migrations.report_step(
                 c.node, c.payload["step"]["step_id"], ok=True, attempt=c.payload["attempt"]
             )
     raise AssertionError(f"no {kind} step")
 
 
 def test_a_node_lost_after_the_switch_is_skipped_and_the_migration_commits(running_job: Job) -> None:
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     moved = set(migration.device_uids)
@@ -350,7 +352,7 @@ def test_a_node_lost_after_the_switch_is_skipped_and_the_migration_commits(runni
     target = queued_step_commands()[0].node
     Node.objects.filter(pk=target.pk).update(status=NodeStatus.LOST)
     target.refresh_from_db()
-    migrations.roll_back_node(target, Actor.system("liveness"))
+    gpu_migrations.roll_back_node(target, Actor.system("liveness"))
     deliver_all()
     migration.refresh_from_db()
     assert migration.state == MigrationState.COMMITTED, migration.error
@@ -361,27 +363,27 @@ def test_a_node_lost_after_the_switch_is_skipped_and_the_migration_commits(runni
 def test_workers_an_open_migration_released_are_not_expected_on_their_node(running_job: Job) -> None:
     from agents.services.registration import expected_workers
 
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     release = migration.steps.get(kind="release_devices")
     leaving = set(release.worker_names)
-    assert migrations.workers_released_in_flight() == set()
+    assert gpu_migrations.workers_released_in_flight() == set()
     deliver_until("reserve_devices")  # release_devices is done; the migration is still open
-    assert migrations.workers_released_in_flight() == leaving
+    assert gpu_migrations.workers_released_in_flight() == leaving
     node = Node.objects.get(name=release.nodes[0])
     expected = {w["worker"] for w in expected_workers(node)[0]}
     assert not expected & leaving
     # Still live in the database until the migration finishes.
     assert Worker.objects.filter(name__in=leaving, state=WorkerState.RUNNING).count() == len(leaving)
     deliver_all()
-    assert migrations.workers_released_in_flight() == set()
+    assert gpu_migrations.workers_released_in_flight() == set()
 
 
 def test_new_workers_past_the_switch_are_expected_on_their_node_before_the_commit(running_job: Job) -> None:
     from agents.services.registration import expected_workers
 
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     start = migration.steps.get(kind="start_workers")
@@ -406,9 +408,9 @@ def test_new_workers_past_the_switch_are_expected_on_their_node_before_the_commi
 def test_the_policy_weighs_moves_at_what_the_jobs_migrations_took_not_the_model_alone(
     running_job: Job,
 ) -> None:
-    assert migrations.cost_model_for(running_job).measured_scale == 1.0  # nothing measured yet
+    assert gpu_migrations.cost_model_for(running_job).measured_scale == 1.0  # nothing measured yet
     for workers in (1, 1, 1):
-        migrations.request_manual_migration(
+        gpu_migrations.request_manual_migration(
             running_job.pk,
             donor="rollout",
             recipient="actor",
@@ -421,9 +423,9 @@ def test_the_policy_weighs_moves_at_what_the_jobs_migrations_took_not_the_model_
     for migration, ratio in zip(done, (2.0, 6.0, 40.0), strict=True):
         migration.finished_at = migration.created_at + timedelta(seconds=migration.estimated_s * ratio)
         migration.save(update_fields=["finished_at"])
-    calibrated = migrations.cost_model_for(running_job)
+    calibrated = gpu_migrations.cost_model_for(running_job)
     assert calibrated.measured_scale == pytest.approx(6.0)  # the median: one slow outlier does not rule
-    modelled = migrations.modelled_costs(running_job)
+    modelled = gpu_migrations.modelled_costs(running_job)
     assert modelled.measured_scale == 1.0
     p2p = {"gpus_moved": 2, "recipient_gpus_after": 4}
     assert calibrated.estimate_s(MigrationStrategy.P2P, **p2p) == pytest.approx(
@@ -431,7 +433,7 @@ def test_the_policy_weighs_moves_at_what_the_jobs_migrations_took_not_the_model_
     )
     assert calibrated.engine_launch_s() == pytest.approx(6.0 * modelled.engine_launch_s())
     # Plans keep the modelled estimates, so the next measurement is against the same yardstick.
-    nxt = migrations.request_manual_migration(
+    nxt = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
     )
     assert nxt.estimated_s <= done[-1].estimated_s  # not 6x: the actor only grew since
