@@ -19,6 +19,7 @@ from django.db.models import Avg, Count, Prefetch, Q, QuerySet
 
 from cluster.models import Device, DeviceStatus, Node, NodeStatus
 from jobs.models import CURRENT_WORKER_STATES, Job, JobState, Worker
+from scheduler.alerts import alert_json
 from scheduler.models import (
     OPEN_MIGRATION_STATES,
     Alert,
@@ -86,19 +87,6 @@ def cluster_summary() -> dict[str, Any]:
         },
         "migrations_in_flight": Migration.objects.filter(state__in=OPEN_MIGRATION_STATES).count(),
         "open_alerts": Alert.objects.filter(cleared_at__isnull=True).count(),
-    }
-
-
-def alert_json(alert: Alert) -> dict[str, Any]:
-    return {
-        "id": alert.pk,
-        "kind": alert.kind,
-        "subject": alert.subject,
-        "job": alert.job_id,
-        "node": alert.node_id,
-        "message": alert.message,
-        "raised_at": alert.raised_at.isoformat(),
-        "cleared_at": alert.cleared_at.isoformat() if alert.cleared_at else None,
     }
 
 

@@ -18,7 +18,9 @@ def device_payload(device: Device, *, shared: bool) -> dict[str, Any]:
     return {"uid": device.uid, "index": device.index, "hardware": device.hardware, "shared": shared}
 
 
-def _worker_payload(worker: Worker, devices: Iterable[Device], shared: set[str]) -> dict[str, Any]:
+def worker_payload(worker: Worker, devices: Iterable[Device], shared: set[str]) -> dict[str, Any]:
+    """A worker as the agents see it: its job, group, kind, parallelism and devices (``shared``: the
+    uids it time-shares with other workers of the job)."""
     group = worker.group
     return {
         "worker": worker.name,
@@ -43,7 +45,7 @@ def queue_launch(
     shared = {uid for uid, count in holders.items() if count > 1}
     per_node: dict[Node, list[dict[str, Any]]] = defaultdict(list)
     for worker, devices in workers_devices.items():
-        per_node[devices[0].node].append(_worker_payload(worker, devices, shared))
+        per_node[devices[0].node].append(worker_payload(worker, devices, shared))
     commands = []
     for node, workers in per_node.items():
         first = workers[0]["worker"]

@@ -275,10 +275,9 @@ def find_heartbeat_gaps(now: datetime, t: Thresholds, open_subjects: set[str]) -
 # --- raising and clearing ---------------------------------------------------------------------
 
 
-def alert_event(alert: Alert, state: str) -> dict[str, Any]:
+def alert_json(alert: Alert) -> dict[str, Any]:
     return {
         "id": alert.pk,
-        "state": state,
         "kind": alert.kind,
         "subject": alert.subject,
         "job": alert.job_id,
@@ -287,6 +286,10 @@ def alert_event(alert: Alert, state: str) -> dict[str, Any]:
         "raised_at": alert.raised_at.isoformat(),
         "cleared_at": alert.cleared_at.isoformat() if alert.cleared_at else None,
     }
+
+
+def alert_event(alert: Alert, state: str) -> dict[str, Any]:
+    return {**alert_json(alert), "state": state}
 
 
 def _raise(anomaly: Anomaly, now: datetime) -> Alert:

@@ -292,17 +292,9 @@ def _requeue_unanswered(node: Node, actor: Actor) -> int:
 
 
 def _worker_json(worker: Worker, devices: Iterable[Device], shared: set[int]) -> dict[str, Any]:
-    group = worker.group
-    return {
-        "worker": worker.name,
-        "job": group.job_id,
-        "group": group.name,
-        "kind": group.kind,
-        "state": worker.state,
-        "devices": [agent_commands.device_payload(d, shared=d.pk in shared) for d in devices],
-        "tp": group.tp,
-        "pp": group.pp,
-    }
+    devices = list(devices)
+    payload = agent_commands.worker_payload(worker, devices, {d.uid for d in devices if d.pk in shared})
+    return {**payload, "state": worker.state}
 
 
 def expected_workers(node: Node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
