@@ -38,24 +38,26 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from agents.backends.sim_model import (
-    ACTOR,
-    INFERENCE,
-    ITEM_KINDS,
-    LOGPROB_PASSES,
-    REWARD,
-    REWARD_PASSES,
-    ROLLOUT,
-    TOOL,
-    JobModel,
-    SpecProblem,
-    hardware_spec,
-)
+from agents.backends.sim_model import ITEM_KINDS, REWARD_PASSES, JobModel, SpecProblem, hardware_spec
 from scheduler.core.hypergraph import Device
 from scheduler.core.migration import COMPENSATION, StepKind
 from scheduler.core.sim.engine import Engine, SimRequest
+from scheduler.core.sim.episodes import Episode
 from scheduler.core.sim.hardware import GB, HardwareSpec
 from scheduler.core.sim.perf import largest_valid
+from scheduler.core.sim.stages import (
+    ACTOR,
+    INFERENCE,
+    LOG_PROB_PASSES,
+    REWARD,
+    ROLLOUT,
+    TOOL,
+    GpuWorkerBase,
+    LogProbWorker,
+    SampleMark,
+    TrainerWorker,
+    train_s,
+)
 from scheduler.core.sim.trace import TraceRecord
 
 STEP_KINDS = frozenset(k.value for k in StepKind)
@@ -77,6 +79,7 @@ ENGINE, TOOL_DONE, READY, CONSUMED, TRAINED, TURN = range(6)
 # scores, the reference / old-policy log-probs are computed, the actor trains; then generate again.
 GENERATE, SCORE, LOG_PROBS, TRAIN = range(4)
 STAGE = {ROLLOUT: GENERATE, TOOL: GENERATE, REWARD: SCORE, INFERENCE: LOG_PROBS, ACTOR: TRAIN}
+STAGE_KIND = (ROLLOUT, REWARD, INFERENCE, ACTOR)  # the kind whose workers each stage runs
 
 
 class Turn(StrEnum):
@@ -225,32 +228,19 @@ class HostDevice:
         return ([self.owner] if self.owner is not None else []) + self.sharers
 
 
-class Episode:
+class HostEpisode(Episode):
     """One sample of one iteration, while this host runs it."""
 
-    __slots__ = (
-        "context",
-        "group",
-        "key",
-        "record",
-        "rid",
-        "serial",
-        "tool_epoch",
-        "tool_until",
-        "turn",
-        "worker",
-    )
+    __slots__ = ("group", "key", "rid", "serial", "tool_epoch", "tool_until", "worker")
 
     def __init__(
         self, key: tuple[int, int], group: str, record: TraceRecord, worker: str, serial: int
     ) -> None:
+        super().__init__(record)
         self.key = key  # (iteration, episode index)
         self.group = group
-        self.record = record
         self.worker = worker
         self.serial = serial  # the engine's radix-cache key
-        self.turn = 0
-        self.context = record.prompt_tokens
         self.rid: int | None = None  # the request in an engine, if any
         self.tool_until: float | None = None
         self.tool_epoch = 0
@@ -267,6 +257,10 @@ class HostWorker:
     state: WorkerState
     member: bool  # part of its group's membership on this host (switch sets it)
     ready_at: float
+    # Its busy seconds and tokens: a LogProbWorker for a log-prob or reward worker (its running
+    # sample is its micro-batch), a TrainerWorker for a trainer rank.
+    stage: GpuWorkerBase
+    mark: SampleMark  # its integrals at its last telemetry sample
     joining: bool = False  # started by a migration step: unknown to the control plane until its switch
     engine: Engine | None = None
     colocated: bool = False  # launched on time-shared devices
@@ -275,31 +269,23 @@ class HostWorker:
     paused_prefill_s: float = 0.0
     taken_back: bool = False
     has_state: bool = False  # a new trainer rank that received its state shard
-    busy_s: float = 0.0
-    busy_since: float | None = None
-    tokens_done: float = 0.0
-    done: int = 0
+    done: int = 0  # samples consumed in iteration done_iteration
     done_iteration: int = -1
-    item: tuple[int, int, float, float] | None = None  # (iteration, tokens, started, ends)
     epoch: int = 0
-    last_at: float = 0.0
-    last_tokens: float = 0.0
-    last_work: float = 0.0
-    last_util: float = 0.0
 
     @property
     def alive(self) -> bool:
         return self.state in ALIVE
 
-    def busy_at(self, now: float) -> float:
-        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+    @property
+    def consumer(self) -> LogProbWorker | None:
+        """A log-prob or reward worker's forward passes."""
+        return self.stage if isinstance(self.stage, LogProbWorker) else None
 
-    def set_busy(self, busy: bool, now: float) -> None:
-        if busy and self.busy_since is None:
-            self.busy_since = now
-        elif not busy and self.busy_since is not None:
-            self.busy_s += now - self.busy_since
-            self.busy_since = None
+    @property
+    def consuming(self) -> bool:
+        """A log-prob or reward worker computing a sample."""
+        return isinstance(self.stage, LogProbWorker) and bool(self.stage.batch)
 
 
 @dataclass
@@ -319,7 +305,7 @@ class HostJob:
     model: JobModel
     view: JobView | None = None
     iteration: int = 0
-    episodes: dict[tuple[int, int], Episode] = field(default_factory=dict)
+    episodes: dict[tuple[int, int], HostEpisode] = field(default_factory=dict)
     done_keys: set[tuple[int, int]] = field(default_factory=set)
     completed: dict[int, dict[str, int]] = field(default_factory=dict)
     assigned: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -365,7 +351,7 @@ class SimHost:
         self.jobs: dict[int, HostJob] = {}
         self.pending_views: dict[int, JobView] = {}
         self.specs: dict[int, Mapping[str, Any]] = {}  # specs heard of (registration reply)
-        self.requests: dict[int, Episode] = {}
+        self.requests: dict[int, HostEpisode] = {}
         self.now = 0.0
         self.sample_every_s = sample_every_s
         self._next_sample = sample_every_s
@@ -555,18 +541,24 @@ class SimHost:
         if not device_indices:
             raise HostError(f"worker {name} has no device on {self.name}")
         specs = tuple(self.devices[i].hardware for i in device_indices)
+        devices = tuple(
+            Device(id=f"{self.name}/gpu{i}", node=self.name, hardware=h.name, memory_gb=h.hbm_gb, index=i)
+            for i, h in zip(device_indices, specs, strict=True)
+        )
+        stage: GpuWorkerBase
+        if spec.kind in (INFERENCE, REWARD):
+            stage = LogProbWorker.on(name, devices, job.model.perf(1))
+        elif spec.kind == ACTOR:
+            stage = TrainerWorker(name, devices)
+        else:
+            stage = GpuWorkerBase(name, devices)
         engine = None
         if spec.kind == ROLLOUT:
             tp = len(device_indices)
             coeffs = job.model.engine_coeffs(tp, self.hardware, colocated=bool(time_shared))
             engine = Engine(
                 name,
-                tuple(
-                    Device(
-                        id=f"{self.name}/gpu{i}", node=self.name, hardware=h.name, memory_gb=h.hbm_gb, index=i
-                    )
-                    for i, h in zip(device_indices, specs, strict=True)
-                ),
+                devices,
                 coeffs,
                 max_running=job.model.max_running,
                 peak_tokens_per_s=job.model.engine_peak_tokens_per_s(tp, coeffs),
@@ -584,9 +576,10 @@ class SimHost:
             member=member,
             joining=not member,
             ready_at=self.now + self._start_s(job.model, spec.kind),
+            stage=stage,
+            mark=SampleMark(self.now),
             engine=engine,
             colocated=bool(time_shared),
-            last_at=self.now,
         )
         for index in device_indices:
             device = self.devices[index]
@@ -649,7 +642,7 @@ class SimHost:
             return False
         job = self.jobs.get(worker.job_id)
         worker.epoch += 1
-        worker.set_busy(False, self.now)
+        worker.stage.set_busy(False, self.now)
         for index in worker.devices:
             device = self.devices[index]
             if device.owner == name:
@@ -692,35 +685,30 @@ class SimHost:
                 self._push(episode.tool_until, TOOL_DONE, (episode, episode.tool_epoch))
             else:
                 episode.tool_until = None
-                record = episode.record
-                self._enqueue(
-                    target,
-                    self._new_request(
-                        episode,
-                        context=episode.context,
-                        remaining=record.response_tokens[episode.turn],
-                        max_new=job.model.max_new_tokens,
-                        fresh=0,
-                    ),
-                )
+                self._enqueue(target, self._new_request(episode, max_new=job.model.max_new_tokens, fresh=0))
 
     # == rollout ===================================================================================
 
+    def _new_episode(
+        self, job: HostJob, key: tuple[int, int], group: str, record: TraceRecord, worker: HostWorker
+    ) -> HostEpisode:
+        """Episode ``key`` is this host's now, on ``worker``."""
+        self._serial += 1
+        episode = HostEpisode(key, group, record, worker.name, self._serial)
+        job.episodes[key] = episode
+        job.count(job.assigned, key[0], group, 1)
+        return episode
+
     def _new_request(
-        self, episode: Episode, *, context: int, remaining: int, max_new: int, fresh: int
+        self, episode: HostEpisode, *, max_new: int, remaining: int | None = None, fresh: int | None = None
     ) -> SimRequest:
+        """The episode's current turn as an engine request (``episodes.Episode.request``); a
+        request generates at least one token."""
         self._rid += 1
-        request = SimRequest(
-            rid=self._rid,
-            episode=episode.serial,
-            turn=episode.turn,
-            context=context,
-            remaining=max(1, remaining),
-            max_new=max(max_new, 1),
-            enqueued_at=self.now,
-            completed_tool_calls=episode.turn,
+        left = episode.response_tokens if remaining is None else remaining
+        request = episode.request(
+            self._rid, episode.serial, self.now, max_new=max(max_new, 1), remaining=max(1, left), fresh=fresh
         )
-        request.fresh = fresh
         self.requests[request.rid] = episode
         episode.rid = request.rid
         return request
@@ -770,20 +758,19 @@ class SimHost:
             return
         episode.rid = None
         episode.context = request.context
-        record = episode.record
         job = self.jobs[worker.job_id]
-        if episode.turn + 1 < record.turns:
+        if episode.has_next_turn:
             assert worker.engine is not None
             worker.engine.cache_episode(episode.serial, episode.context)
             episode.tool_epoch += 1
-            episode.tool_until = self.now + record.tool_latency_s[episode.turn]
+            episode.tool_until = self.now + episode.tool_latency_s
             self._push(episode.tool_until, TOOL_DONE, (episode, episode.tool_epoch))
             return
         job.episodes.pop(episode.key, None)
         job.done_keys.add(episode.key)
         job.count(job.completed, episode.key[0], episode.group, 1)
 
-    def _on_tool(self, episode: Episode, epoch: int) -> None:
+    def _on_tool(self, episode: HostEpisode, epoch: int) -> None:
         if epoch != episode.tool_epoch:
             return
         worker = self.workers.get(episode.worker)
@@ -793,18 +780,8 @@ class SimHost:
         if job.episodes.get(episode.key) is not episode:
             return
         episode.tool_until = None
-        record = episode.record
-        output = record.tool_output_tokens[episode.turn]
-        episode.context += output
-        episode.turn += 1
-        request = self._new_request(
-            episode,
-            context=episode.context,
-            remaining=record.response_tokens[episode.turn],
-            max_new=job.model.max_new_tokens,
-            fresh=output,
-        )
-        self._enqueue(worker, request)
+        episode.tool_done()  # the next turn's fresh tokens are the tool's output
+        self._enqueue(worker, self._new_request(episode, max_new=job.model.max_new_tokens))
 
     def _materialise(self, job: HostJob) -> None:
         """Claim and start this host's shares of every iteration the control plane opened."""
@@ -851,20 +828,9 @@ class SimHost:
             key = (iteration, index)
             if key in job.episodes or key in job.done_keys:
                 continue
-            record = records[index]
-            self._serial += 1
-            episode = Episode(key, group, record, target.name, self._serial)
-            job.episodes[key] = episode
-            job.count(job.assigned, iteration, group, 1)
-            request = self._new_request(
-                episode,
-                context=record.prompt_tokens,
-                remaining=record.response_tokens[0],
-                max_new=job.model.max_new_tokens,
-                fresh=record.prompt_tokens,
-            )
+            episode = self._new_episode(job, key, group, records[index], target)
             assert target.engine is not None
-            target.engine.local.append(request)
+            target.engine.local.append(self._new_request(episode, max_new=job.model.max_new_tokens))
         self._admit(target)
 
     # == log-prob and reward workers ================================================================
@@ -888,8 +854,10 @@ class SimHost:
         return max(0, -(-(available - position) // len(members)))
 
     def _kick_consumer(self, job: HostJob, worker: HostWorker) -> None:
+        consumer = worker.consumer
         if (
-            worker.item is not None
+            consumer is None
+            or consumer.batch
             or worker.state is not WorkerState.RUNNING
             or worker.offloaded
             or not self._active(job)
@@ -904,39 +872,29 @@ class SimHost:
             return
         members = self.members(job, worker.group)
         position = members.index(worker.name) + worker.done * len(members)
-        record = job.model.consumed_record(iteration, position)
-        tokens = record.total_tokens
-        passes = LOGPROB_PASSES if worker.kind == INFERENCE else REWARD_PASSES
-        seconds = job.model.forward_s(tokens, worker.hardware, passes)
-        worker.item = (iteration, tokens, self.now, self.now + seconds)
+        tokens = job.model.consumed_record(iteration, position).total_tokens
+        passes = LOG_PROB_PASSES if worker.kind == INFERENCE else REWARD_PASSES
+        # A micro-batch of one sample, as the core's log-prob workers run them.
+        consumer.start([(position, tokens)], job.model.perf(1), passes, self.now)
         worker.epoch += 1
-        worker.set_busy(True, self.now)
-        self._push(self.now + seconds, CONSUMED, (worker, worker.epoch))
+        self._push(consumer.ends_at, CONSUMED, (worker, worker.epoch))
 
     def _on_consumed(self, worker: HostWorker, epoch: int) -> None:
-        if epoch != worker.epoch or self.workers.get(worker.name) is not worker or worker.item is None:
+        consumer = worker.consumer
+        if epoch != worker.epoch or self.workers.get(worker.name) is not worker or not worker.consuming:
             return
-        iteration, tokens, _, _ = worker.item
-        worker.item = None
-        worker.tokens_done += tokens
-        worker.set_busy(False, self.now)
-        if worker.done_iteration == iteration:
-            worker.done += 1
+        assert consumer is not None
+        consumer.finish(self.now)
+        # done_iteration is the sample's: it changes only while the worker computes nothing.
+        worker.done += 1
         job = self.jobs[worker.job_id]
         self._kick_consumer(job, worker)
 
     def _cancel_item(self, worker: HostWorker) -> None:
-        if worker.item is not None:
-            worker.item = None
+        consumer = worker.consumer
+        if consumer is not None and consumer.batch:
+            consumer.cancel(self.now)
             worker.epoch += 1
-            worker.set_busy(False, self.now)
-
-    def _consumer_tokens_at(self, worker: HostWorker, now: float) -> float:
-        if worker.item is None:
-            return worker.tokens_done
-        _, tokens, started, ends = worker.item
-        share = min(1.0, max(0.0, (now - started) / max(ends - started, 1e-12)))
-        return worker.tokens_done + tokens * share
 
     # == the trainer =================================================================================
 
@@ -957,7 +915,7 @@ class SimHost:
                 for name in training.active:
                     worker = self.workers.get(name)
                     if worker is not None:
-                        worker.tokens_done += per_rank
+                        worker.stage.tokens_done += per_rank
             training.fraction += gained
         training.updated_at = self.now
 
@@ -967,7 +925,7 @@ class SimHost:
             return
         self._advance_training(job, training)
         for worker in self._workers_of(job.model.job_id, kind=ACTOR):
-            worker.set_busy(False, self.now)
+            worker.stage.set_busy(False, self.now)
         training.epoch += 1
         job.training = None
 
@@ -1013,13 +971,21 @@ class SimHost:
         training.tokens = tokens
         training.active = frozenset(gang[:data_parallel]) & {w.name for w in ranks}
         if data_parallel > 0 and rank_rate > 0:
-            training.total_s = flops / (
-                data_parallel * rank_rate
-            ) + job.model.minibatches * job.model.grad_sync_s(data_parallel)
+            # The whole iteration in one go: its FLOPs at the gang's rate, one gradient sync per
+            # mini-batch (the sync spread over the fluid, so every host reads the same fraction).
+            training.total_s = train_s(
+                job.model.perf(1),
+                flops,
+                data_parallel * rank_rate,
+                minibatches=job.model.minibatches,
+                data_parallel=data_parallel,
+            )
         else:
             training.total_s = math.inf
         for worker in self._workers_of(job.model.job_id, kind=ACTOR):
-            worker.set_busy(worker.name in training.active and math.isfinite(training.total_s), self.now)
+            worker.stage.set_busy(
+                worker.name in training.active and math.isfinite(training.total_s), self.now
+            )
         training.epoch += 1
         if math.isfinite(training.total_s):
             ends = self.now + max(0.0, 1.0 - training.fraction) * training.total_s
@@ -1032,7 +998,7 @@ class SimHost:
         training.fraction = 1.0
         job.trained_iteration = training.iteration
         for worker in self._workers_of(job.model.job_id, kind=ACTOR):
-            worker.set_busy(False, self.now)
+            worker.stage.set_busy(False, self.now)
         job.training = None
 
     def _training_fraction(self, job: HostJob, now: float) -> float:
@@ -1141,7 +1107,7 @@ class SimHost:
             rollout = [g.name for g in job.model.groups.values() if g.kind == ROLLOUT]
             return all(self._global_completed(job, g) >= total for g in rollout)
         if worker.kind in (INFERENCE, REWARD):
-            if worker.item is not None:
+            if worker.consuming:
                 return False
             if any(self._global_completed(job, u) < total for u in job.model.upstream(worker.group)):
                 return False
@@ -1153,7 +1119,7 @@ class SimHost:
     def _switch_s(job: HostJob, current: int, wanted: int) -> float:
         # The trainer-side stages run in one process (as the core simulator's log-probs and
         # training): only a switch from or to the rollout offloads and onloads state.
-        return job.model.colocate_switch_s() if GENERATE in (current, wanted) else 0.0
+        return job.model.stage_switch_s(STAGE_KIND[current], STAGE_KIND[wanted])
 
     def _offload(self, job: HostJob, worker: HostWorker) -> None:
         worker.offloaded = True
@@ -1226,20 +1192,21 @@ class SimHost:
                 in_flight = engine.batch
                 progress = self._group_progress(job, worker.group, ROLLOUT)
             elif worker.kind in (INFERENCE, REWARD):
-                tokens = self._consumer_tokens_at(worker, now)
-                work = worker.busy_at(now)
-                in_flight = 1 if worker.item is not None else 0
+                assert worker.consumer is not None
+                tokens = worker.consumer.tokens_at(now)
+                work = worker.stage.busy_at(now)
+                in_flight = 1 if worker.consuming else 0
                 if worker.done_iteration == job.iteration:
                     queue = max(0, self._entitlement(job, worker) - worker.done - in_flight)
                 progress = self._group_progress(job, worker.group, worker.kind)
             elif worker.kind == ACTOR:
-                tokens = worker.tokens_done
+                tokens = worker.stage.tokens_done
                 training = job.training
                 if training is not None and worker.name in training.active and training.data_parallel:
                     extra = self._training_fraction(job, now) - training.fraction
                     tokens += extra * training.tokens / training.data_parallel
-                work = worker.busy_at(now)
-                in_flight = 1 if worker.busy_since is not None else 0
+                work = worker.stage.busy_at(now)
+                in_flight = 1 if worker.stage.busy_since is not None else 0
                 progress = self._training_fraction(job, now)
             else:  # tool sandboxes: busy while the iteration's rollout is unfinished
                 tokens = 0.0
@@ -1253,14 +1220,10 @@ class SimHost:
                 ):
                     done = min(self._group_progress(job, g, ROLLOUT) for g in rollout)
                     left = 0.0 if job.iteration >= job.model.iterations else 1.0 - done
-                work = worker.last_work + left * (now - worker.last_at)
-            span = now - worker.last_at
-            utilisation = min(1.0, max(0.0, (work - worker.last_work) / span)) if span > 0 else 0.0
+                work = worker.mark.work + left * (now - worker.mark.at)
+            utilisation, delta = worker.mark.take(now, tokens, work)
             if worker.state is not WorkerState.RUNNING and worker.state is not WorkerState.DRAINING:
-                utilisation = 0.0
-            delta = max(0, round(tokens - worker.last_tokens))
-            worker.last_at, worker.last_tokens, worker.last_work = now, tokens, work
-            worker.last_util = utilisation
+                utilisation = worker.mark.utilisation = 0.0
             for index in worker.devices:
                 util_by_device[index] = max(utilisation, util_by_device.get(index, 0.0))
             if not self._reported(worker):
@@ -1294,7 +1257,7 @@ class SimHost:
                 utilisation = sum(history) / len(history)
             else:
                 resident = self._resident(device)
-                utilisation = resident.last_util if resident is not None else 0.0
+                utilisation = resident.mark.utilisation if resident is not None else 0.0
             readings.append((device.index, round(utilisation, 6), round(self._memory_gb(device), 3)))
         return readings
 
@@ -1321,9 +1284,9 @@ class SimHost:
             )
             # BF16 weights and grads on every rank, optimizer state sharded over data parallel.
             used = (4.0 * model.params / gpus + 12.0 * model.params / (gpus * data_parallel)) / GB
-            used += 0.15 * hbm if worker.busy_since is not None else 0.0
+            used += 0.15 * hbm if worker.stage.busy_since is not None else 0.0
         elif worker.kind in (INFERENCE, REWARD):
-            used = model.weight_bytes / gpus / GB + (0.1 * hbm if worker.item is not None else 0.0)
+            used = model.weight_bytes / gpus / GB + (0.1 * hbm if worker.consuming else 0.0)
         else:
             used = 1.0
         if worker.state is WorkerState.STARTING:
@@ -1588,7 +1551,7 @@ class SimHost:
             job.count(job.assigned, key[0], item["group"], -1)
 
     def _request_json(
-        self, job: HostJob, episode: Episode, context: int, generated: int, max_new: int
+        self, job: HostJob, episode: HostEpisode, context: int, generated: int, max_new: int
     ) -> dict[str, Any]:
         in_tool = episode.tool_until is not None
         return {
@@ -1705,12 +1668,9 @@ class SimHost:
         if key in job.episodes or key in job.done_keys:
             return False
         record = job.model.records(key[0])[key[1]]
-        self._serial += 1
-        episode = Episode(key, str(request["group"]), record, target.name, self._serial)
+        episode = self._new_episode(job, key, str(request["group"]), record, target)
         episode.turn = int(request["turn"])
         episode.context = int(request["context_tokens"])
-        job.episodes[key] = episode
-        job.count(job.assigned, key[0], episode.group, 1)
         if request["phase"] == "tool":
             episode.tool_epoch += 1
             episode.tool_until = self.now + float(request["tool_wait_s"])
@@ -1719,9 +1679,8 @@ class SimHost:
         generated = int(request["generated_tokens"])
         sim_request = self._new_request(
             episode,
-            context=episode.context,
-            remaining=record.response_tokens[episode.turn] - generated,
             max_new=int(request["max_new_tokens"]),
+            remaining=episode.response_tokens - generated,
             fresh=0,
         )
         sim_request.generated = generated
