@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 
 from agents.backends.base import StepFailed
-from agents.backends.sim import ManualClock, SimBackend
+from agents.backends.sim.backend import ManualClock, SimBackend
 from agents.models import AgentCommand, CommandState, Device, DeviceStatus, Node
 from controlplane.audit import Actor
 from controlplane.models import AuditEvent

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agents.backends.traces import TraceRefused, resolve_trace_path
+from agents.backends.sim.traces import TraceRefused, resolve_trace_path
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.sim.hardware import HARDWARE, MODELS, HardwareSpec, ModelSpec
 from scheduler.core.sim.perf import EngineCoeffs, PerfModel
@@ -91,7 +91,7 @@ def nearest_model(params_b: float) -> ModelSpec:
 
 class JobModel:
     """One job as the agent simulates it. A trace the spec names is read from under ``trace_dir``
-    only (``agents.backends.traces``); without one, a spec naming a trace is refused."""
+    only (``traces.py``); without one, a spec naming a trace is refused."""
 
     def __init__(
         self,
