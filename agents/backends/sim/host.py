@@ -648,16 +648,17 @@ class SimHost:
         position = members.index(worker.name) + worker.done * len(members)
         tokens = job.model.consumed_record(iteration, position).total_tokens
         passes = LOG_PROB_PASSES if worker.kind == INFERENCE else REWARD_PASSES
-        # A micro-batch of one sample, as the core's log-prob workers run them.
+        # The core's forward-pass worker, with one sample per micro-batch.
         consumer.start([(position, tokens)], job.model.perf(1), passes, self.now)
         worker.epoch += 1
         self._push(consumer.ends_at, CONSUMED, (worker, worker.epoch))
 
     def _on_consumed(self, worker: HostWorker, epoch: int) -> None:
         consumer = worker.consumer
-        if epoch != worker.epoch or self.workers.get(worker.name) is not worker or not worker.consuming:
+        if epoch != worker.epoch or self.workers.get(worker.name) is not worker:
             return
-        assert consumer is not None
+        if consumer is None or not consumer.batch:
+            return
         consumer.finish(self.now)
         # done_iteration is the sample's: it changes only while the worker computes nothing.
         worker.done += 1

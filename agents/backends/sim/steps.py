@@ -1,10 +1,10 @@
 """Migration steps on a simulated host: what each step kind does to ``host.SimHost`` and how long
-it takes (``scheduler.core.migration.StepKind``; docs/sim-backend.md, "Migration steps").
+it takes (``scheduler.core.migration.StepKind``; docs/sim-backend.md, "Steps").
 
 ``HostSteps.begin`` applies a step's first effects at once and returns a ``StepPlan``: the
-virtual seconds the step takes, and what it checks and returns when that time has passed. The
-backend waits the time out between the two and retries nothing itself; a step that cannot be
-carried out raises ``HostError`` (the backend's ``StepFailed``).
+virtual seconds the step takes, and what it checks and returns when that time has passed (the
+backend waits the time out in between). A step that cannot be carried out raises ``HostError``,
+which the backend reports as ``StepFailed``.
 """
 
 from __future__ import annotations

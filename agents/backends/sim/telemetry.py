@@ -90,6 +90,7 @@ class HostTelemetry:
         return worker.member or not worker.joining
 
     def sample(self) -> None:
+        """One sample of every worker at the host's present (after the events of the instant)."""
         now = self.host.now
         util_by_device: dict[int, float] = {}
         for name in sorted(self.host.workers):
