@@ -170,6 +170,11 @@ class HostWorker:
 
 @dataclass
 class Training:
+    """The gang's training of one whole iteration, as every host of the gang follows it: a fluid
+    ``fraction`` done at ``1 / total_s`` per second (``stages.train_s`` for the gang's size), which
+    a rank joining mid-iteration picks up from the reply's actor count. The core's ``Trainer``
+    trains mini-batches as complete prompt groups arrive; counts alone do not tell a host that."""
+
     iteration: int
     fraction: float
     updated_at: float
