@@ -144,7 +144,7 @@ def spec_for(
 
 def write_episodes(template: Mapping[str, Any], iterations: int, seed: int, path: Path) -> int:
     """Draw every iteration's episodes once into a trace file; return the samples per iteration."""
-    from agents.backends.sim_model import JobModel
+    from agents.backends.sim.model import JobModel
     from jobs.spec import parse_spec
     from scheduler.core.sim.trace import write_trace
 

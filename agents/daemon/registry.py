@@ -23,7 +23,7 @@ from typing import Any, cast
 from agents.backends.base import ExecutionBackend
 
 BACKENDS: dict[str, str] = {
-    "sim": "agents.backends.sim:SimBackend",
+    "sim": "agents.backends.sim.backend:SimBackend",
     "ray": "agents.backends.ray:RayBackend",
 }
 REQUIRED = (

@@ -21,7 +21,7 @@ def test_a_backend_is_built_from_module_and_callable(tmp_path: Path) -> None:
 
 
 def test_known_names_point_at_the_backend_modules() -> None:
-    assert BACKENDS["sim"].startswith("agents.backends.sim:") and BACKENDS["ray"].startswith(
+    assert BACKENDS["sim"] == "agents.backends.sim.backend:SimBackend" and BACKENDS["ray"].startswith(
         "agents.backends.ray:"
     )
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.backends.sim import ManualClock, SimBackend
+from agents.backends.sim.backend import ManualClock, SimBackend
 
 
 def math_spec(

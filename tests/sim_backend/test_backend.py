@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from agents.backends.base import StepFailed, WorkerReading
-from agents.backends.sim import ManualClock, SimBackend
-from agents.backends.sim_faults import FaultSpecError, parse_faults
+from agents.backends.sim.backend import ManualClock, SimBackend
+from agents.backends.sim.faults import FaultSpecError, parse_faults
 from tests.sim_backend.relay import Relay, manual_backends, math_spec, run_until
 
 JOB = 7
@@ -555,7 +555,7 @@ def test_hang_blocks_until_the_backend_closes(clock: ManualClock) -> None:
 
 CRASHING_AGENT = """
 import sys
-from agents.backends.sim import SimBackend
+from agents.backends.sim.backend import SimBackend
 from tests.sim_backend.test_backend import grow_steps
 from tests.sim_backend.relay import Relay, math_spec
 backend = SimBackend("a", speed=1000.0, faults="crash:transfer_state")

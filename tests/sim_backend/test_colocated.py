@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from agents.backends.base import StepFailed, WorkerReading
-from agents.backends.sim import ManualClock
+from agents.backends.sim.backend import ManualClock
 from tests.sim_backend.relay import Relay, manual_backends, math_spec
 from tests.sim_backend.test_backend import collect, step
 

@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 
 from agents.backends.base import StepFailed
-from agents.backends.sim import ManualClock, SimBackend
+from agents.backends.sim.backend import ManualClock, SimBackend
 from agents.services import progress
 from cluster.models import AgentCommand, CommandState, Device, DeviceStatus, Node
 from common import redis as common_redis

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from agents.backends.sim import ManualClock, SimBackend
-from agents.backends.sim_model import JobModel
+from agents.backends.sim.backend import ManualClock, SimBackend
+from agents.backends.sim.model import JobModel
 from agents.daemon.registry import load_backend
 from scheduler.core.sim.trace import write_trace
 from tests.sim_backend.relay import math_spec

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from scheduler.core.sim.hardware import HARDWARE, HardwareSpec
 from scheduler.core.sim.perf import EngineCoeffs, PerfModel
-from scheduler.core.sim.simulator import LOG_PROB_PASSES, decode_alone_s
+from scheduler.core.sim.simulator import decode_alone_s
+from scheduler.core.sim.stages import LOG_PROB_PASSES
 from scheduler.core.sim.trace import TraceRecord, group_by_iteration
 from scheduler.core.sim.workloads import Workload
 

@@ -12,7 +12,8 @@ from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.sim.hardware import HARDWARE
 from scheduler.core.sim.perf import PerfModel, largest_valid
 from scheduler.core.sim.results import SimResult
-from scheduler.core.sim.simulator import ACTOR, INFERENCE, LOG_PROB_PASSES, ROLLOUT, SimOptions, Simulation
+from scheduler.core.sim.simulator import SimOptions, Simulation
+from scheduler.core.sim.stages import ACTOR, INFERENCE, LOG_PROB_PASSES, ROLLOUT, train_s
 from scheduler.core.sim.trace import TraceRecord, decode_weighted_context, generate_trace, group_by_iteration
 from scheduler.core.sim.workloads import Workload, get_workload
 
@@ -44,7 +45,7 @@ def profiles(workload: Workload, records: Sequence[TraceRecord]) -> dict[str, li
         if dp <= 0:
             continue
         rate = perf.compute_rate([hardware] * (dp * unit))
-        step_s = train / rate + minibatches * perf.grad_sync_s(dp)
+        step_s = train_s(perf, train, rate, minibatches=minibatches, data_parallel=dp)
         result[ACTOR].append((float(gpus), tokens / step_s))
         if workload.log_prob_group:
             result[INFERENCE].append((float(gpus), tokens * perf.compute_rate([hardware] * gpus) / forward))

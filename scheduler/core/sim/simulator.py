@@ -40,26 +40,30 @@ from scheduler.core.router import DataRouter, RoutedRequest, RouterMode
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals, WorkerSample
 from scheduler.core.sim.engine import Engine, SimRequest
+from scheduler.core.sim.episodes import Episode
 from scheduler.core.sim.hardware import HARDWARE
 from scheduler.core.sim.perf import EngineCoeffs, PerfModel
 from scheduler.core.sim.results import MoveRecord, SimResult, percentile
 from scheduler.core.sim.stages import (
+    ACTOR,
+    INFERENCE,
+    LOG_PROB_PASSES,
+    REWARD,
+    ROLLOUT,
+    TOOL,
     CpuPool,
     CpuWorker,
     LogProbPool,
     LogProbWorker,
     MiniBatch,
+    SampleMark,
     Trainer,
     TrainerWorker,
+    stage_switch_s,
 )
 from scheduler.core.sim.trace import TraceRecord, decode_weighted_context, group_by_iteration
 from scheduler.core.sim.workloads import Workload, WorkloadKind
 
-ROLLOUT = "rollout"
-INFERENCE = "inference"
-ACTOR = "actor"
-REWARD = "reward"
-TOOL = "tool"
 GPU_GROUPS = (ROLLOUT, INFERENCE, ACTOR)
 FREE = ""
 
@@ -85,7 +89,6 @@ GPU_TIME_KINDS = (
     "free",
 )
 
-LOG_PROB_PASSES = 2  # reference and old-policy log-probs: two forward passes per sample
 LOG_PROB_MICRO_BATCH_TOKENS = 65536
 
 
@@ -126,15 +129,15 @@ class SimOptions:
     observe_every_s: float = 10.0  # predictor observations per group at most this often
 
 
-class Episode:
-    __slots__ = ("batch", "context", "idx", "record", "rollout_done_at", "turn", "version")
+class BatchEpisode(Episode):
+    """An episode of the trace's iteration ``batch``."""
+
+    __slots__ = ("batch", "idx", "rollout_done_at", "version")
 
     def __init__(self, idx: int, record: TraceRecord, batch: int) -> None:
+        super().__init__(record)
         self.idx = idx
-        self.record = record
         self.batch = batch
-        self.turn = 0
-        self.context = record.prompt_tokens
         self.version = -1
         self.rollout_done_at = -1.0
 
@@ -232,13 +235,13 @@ class Simulation:
             batches = batches[: self.options.iterations]
         if not batches:
             raise ValueError("the trace has no records")
-        self.episodes: list[Episode] = []
+        self.episodes: list[BatchEpisode] = []
         self.batches: list[BatchState] = []
         for b, batch_records in enumerate(batches):
             prompts: dict[str, int] = {}
             indices = []
             for record in batch_records:
-                episode = Episode(len(self.episodes), record, b)
+                episode = BatchEpisode(len(self.episodes), record, b)
                 self.episodes.append(episode)
                 indices.append(episode.idx)
                 prompts[record.prompt_id] = prompts.get(record.prompt_id, 0) + 1
@@ -269,8 +272,7 @@ class Simulation:
         self.phase = ROLLOUT  # colocated: the stage holding the GPUs
 
         # Telemetry state.
-        self._last_sample: dict[str, tuple[float, float, float]] = {}  # worker -> (at, tokens, busy)
-        self._last_util: dict[str, float] = {}
+        self._marks: dict[str, SampleMark] = {}  # worker -> its integrals at its last sample
         # Where the GPU-time goes, per iteration being trained (``GPU_TIME_KINDS``), from the ticks.
         self.gpu_time: list[dict[str, float]] = []
         self._group_changed_at: dict[str, float] = {g: 0.0 for g in GPU_GROUPS}
@@ -532,7 +534,7 @@ class Simulation:
                 self.logprob.add_worker(worker_id, devices)
             else:
                 self.trainer.change(now, add=[TrainerWorker(worker_id, devices)])
-            self._last_sample[worker_id] = (now, 0.0, 0.0)
+            self._marks[worker_id] = SampleMark(now)
         self._group_changed_at[group] = now
         if group == ROLLOUT:
             self.router.set_workers(self.engines)
@@ -634,10 +636,13 @@ class Simulation:
         batch = self.batches[self.trainer_version]
         if self.phase == ROLLOUT and batch.submitted and batch.rollout_left == 0:
             target = INFERENCE if self.workload.log_prob_group else ACTOR
-            self._switch_phase(target, self.now, self.perf.colocate_switch_s(self.workload.gpus))
+            self._switch_phase(target, self.now, self._stage_switch_s(ROLLOUT, target))
         elif self.phase == INFERENCE and batch.prompts_left == 0:
             # Log-probs and training run in the same trainer process: no offload in between.
-            self._switch_phase(ACTOR, self.now, 0.0)
+            self._switch_phase(ACTOR, self.now, self._stage_switch_s(INFERENCE, ACTOR))
+
+    def _stage_switch_s(self, before: str, after: str) -> float:
+        return stage_switch_s(self.perf, self.workload.gpus, before, after)
 
     # == rollout ================================================================================
 
@@ -655,22 +660,9 @@ class Simulation:
                 self._submit_turn(self.episodes[idx], now)
         self._dispatch(list(self.engines.values()), now)
 
-    def _submit_turn(self, episode: Episode, now: float) -> None:
-        record = episode.record
+    def _submit_turn(self, episode: BatchEpisode, now: float) -> None:
         self._ids += 1
-        request = SimRequest(
-            rid=self._ids,
-            episode=episode.idx,
-            turn=episode.turn,
-            context=episode.context,
-            remaining=record.response_tokens[episode.turn],
-            max_new=self.workload.max_new_tokens,
-            enqueued_at=now,
-            completed_tool_calls=episode.turn,
-        )
-        request.fresh = (
-            record.prompt_tokens if episode.turn == 0 else record.tool_output_tokens[episode.turn - 1]
-        )
+        request = episode.request(self._ids, episode.idx, now, max_new=self.workload.max_new_tokens)
         self.router.submit(self._routed(request))
 
     def _routed(self, request: SimRequest) -> RoutedRequest:
@@ -749,12 +741,12 @@ class Simulation:
         episode = self.episodes[request.episode]
         record = episode.record
         episode.context = request.context
-        self.generated_tokens += record.response_tokens[episode.turn]
-        self.router.note_turn_length(episode.turn, record.response_tokens[episode.turn])
-        if episode.turn + 1 < record.turns:
+        self.generated_tokens += episode.response_tokens
+        self.router.note_turn_length(episode.turn, episode.response_tokens)
+        if episode.has_next_turn:
             engine.cache_episode(episode.idx, episode.context)
             assert self.tool is not None
-            for started in self.tool.submit(episode.idx, record.tool_latency_s[episode.turn], now):
+            for started in self.tool.submit(episode.idx, episode.tool_latency_s, now):
                 self._push(started[0], CPU_DONE, (self.tool, started[1], started[2]))
             return
         self.router.forget_episode(str(episode.idx))
@@ -772,8 +764,7 @@ class Simulation:
         episode = self.episodes[idx]
         if pool is self.tool:
             # The tool's output joins the context; the next turn asks for the engine holding the cache.
-            episode.context += episode.record.tool_output_tokens[episode.turn]
-            episode.turn += 1
+            episode.tool_done()
             self._submit_turn(episode, self.now)
             self._dispatch(list(self.engines.values()), self.now)
             return
@@ -799,7 +790,7 @@ class Simulation:
         self._start_logprob(self.now)
         self._after_stage_progress()
 
-    def _sample_ready(self, episode: Episode) -> None:
+    def _sample_ready(self, episode: BatchEpisode) -> None:
         """A sample has its reward and log-probs; a prompt's group complete joins a mini-batch."""
         self._last_progress = self.now
         batch = self.batches[episode.batch]
@@ -865,7 +856,7 @@ class Simulation:
             self.decisions_issued += 1
             self._apply(decision, self.now)
         if self.colocated:
-            self._switch_phase(ROLLOUT, self.now, self.perf.colocate_switch_s(self.workload.gpus))
+            self._switch_phase(ROLLOUT, self.now, self._stage_switch_s(ACTOR, ROLLOUT))
             return
         sync_s = self.perf.weight_sync_s()
         for engine in self.engines.values():
@@ -1085,7 +1076,7 @@ class Simulation:
             if engine.batch == 0 and not engine.local:
                 spent["rollout_empty"] += engine_gpus
                 continue
-            used = self._last_util.get(engine.worker_id, 0.0)
+            used = self._utilisation(engine.worker_id)
             spent["rollout_decoding"] += engine_gpus * used
             spent["rollout_partly_idle"] += engine_gpus * (1.0 - used)
         for group, workers, busy, idle in (
@@ -1094,7 +1085,7 @@ class Simulation:
         ):
             gpus = self._gpus_per_worker(group) * dt
             for worker_id in workers:
-                used = self._last_util.get(worker_id, 0.0)
+                used = self._utilisation(worker_id)
                 spent[busy] += gpus * used
                 spent[idle] += gpus * (1.0 - used)
         for owner in self.owner.values():
@@ -1136,11 +1127,10 @@ class Simulation:
     ) -> None:
         """One WorkerSample from cumulative counters: ``work`` (busy seconds, or useful work in
         seconds of a full worker) over the elapsed time times ``capacity`` is the utilisation."""
-        last_at, last_tokens, last_work = self._last_sample.get(worker_id, (now, tokens, work))
-        self._last_sample[worker_id] = (now, tokens, work)
-        span = (now - last_at) * capacity
-        utilisation = min(1.0, max(0.0, (work - last_work) / span)) if span > 0 else 0.0
-        self._last_util[worker_id] = utilisation
+        mark = self._marks.get(worker_id)
+        if mark is None:
+            mark = self._marks[worker_id] = SampleMark(now, tokens, work)
+        utilisation, new_tokens = mark.take(now, tokens, work, capacity)
         self.aggregator.add(
             WorkerSample(
                 group_id=group,
@@ -1149,10 +1139,15 @@ class Simulation:
                 utilisation=utilisation,
                 queue_length=queue_length,
                 in_flight=in_flight,
-                tokens=max(0, round(tokens - last_tokens)),
+                tokens=new_tokens,
                 progress=progress,
             )
         )
+
+    def _utilisation(self, worker_id: str) -> float:
+        """The worker's utilisation at its last sample (0 before any)."""
+        mark = self._marks.get(worker_id)
+        return mark.utilisation if mark is not None else 0.0
 
     def _sample_engines(self, now: float, progress: float) -> None:
         engines = list(self.engines.values())
@@ -1181,7 +1176,7 @@ class Simulation:
                 INFERENCE,
                 worker.id,
                 now,
-                tokens=self.logprob.tokens_at(worker, now),
+                tokens=worker.tokens_at(now),
                 work=worker.busy_at(now),
                 queue_length=share + (1 if position < extra else 0),
                 in_flight=1 if worker.batch else 0,
@@ -1287,7 +1282,7 @@ class Simulation:
         return [
             self._cpu_node(
                 pool.group_id,
-                tuple(Worker(w.id, (), utilisation=self._last_util.get(w.id, 0.0)) for w in pool.workers),
+                tuple(Worker(w.id, (), utilisation=self._utilisation(w.id)) for w in pool.workers),
             )
             for pool in pools
         ]
@@ -1302,7 +1297,7 @@ class Simulation:
         nodes = []
         for group in self._gpu_groups():
             workers = tuple(
-                Worker(worker_id, devices, utilisation=self._last_util.get(worker_id, 0.0))
+                Worker(worker_id, devices, utilisation=self._utilisation(worker_id))
                 for worker_id, devices in self._workers_of(group)
             )
             nodes.append(self._node(group, workers))

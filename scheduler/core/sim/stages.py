@@ -1,11 +1,19 @@
-"""The simulator's non-engine stages: CPU pools (reward, tools), log-prob workers and the trainer.
+"""The simulators' non-engine stages: CPU pools (reward, tools), log-prob workers and the trainer.
 
 Each stage keeps the integrals its telemetry needs (busy seconds, tokens done) so a sample at any
-virtual time is exact without an event per second.
+virtual time is exact without an event per second; ``SampleMark`` turns two readings of those
+integrals into a sample's utilisation and tokens.
+
+The offline simulator (``simulator.py``) runs every stage here. The ``sim`` backend's host
+(``agents/backends/sim/host.py``) runs the same workers -- ``LogProbWorker`` for its log-prob and
+reward-model workers, ``TrainerWorker`` for the trainer's ranks, ``SampleMark`` for every worker's
+samples -- and the same timing (``train_s``, ``stage_switch_s``), but schedules them from the
+control plane's global counts instead of the queues here (docs/sim-backend.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +23,52 @@ from scheduler.core.sim.hardware import HARDWARE
 from scheduler.core.sim.perf import PerfModel, largest_valid
 
 Schedule = Callable[[float, int, object], None]  # (time, event kind, payload)
+
+# The stages of an RL iteration, by the kind of their group (the offline simulator's group ids).
+ROLLOUT = "rollout"
+INFERENCE = "inference"  # reference and old-policy log-probs
+REWARD = "reward"
+TOOL = "tool"
+ACTOR = "actor"
+
+LOG_PROB_PASSES = 2  # reference and old-policy log-probs: two forward passes per sample
+
+
+def stage_switch_s(perf: PerfModel, gpus: int, before: str, after: str) -> float:
+    """A colocated switch of ``gpus`` GPUs from stage ``before`` to stage ``after``: a switch into
+    or out of the rollout offloads one side's state and onloads the other's; the trainer's stages
+    (log-probs, a reward model, training) run in one process and switch for free."""
+    return perf.colocate_switch_s(gpus) if ROLLOUT in (before, after) else 0.0
+
+
+def train_s(perf: PerfModel, flops: float, rate: float, *, minibatches: int, data_parallel: int) -> float:
+    """Seconds a gang computing at ``rate`` FLOP/s with ``data_parallel`` ranks takes to train
+    ``flops`` in ``minibatches`` optimizer steps, each ending with the exposed gradient sync: what
+    ``Trainer`` takes for them when its membership does not change."""
+    return flops / rate + minibatches * perf.grad_sync_s(data_parallel)
+
+
+class SampleMark:
+    """A worker's integrals at its previous telemetry sample. A sample's utilisation is the work
+    done since (busy seconds, or useful work in seconds of a full worker) over the time elapsed
+    times the worker's capacity; its tokens are the tokens processed since."""
+
+    __slots__ = ("at", "tokens", "utilisation", "work")
+
+    def __init__(self, at: float, tokens: float = 0.0, work: float = 0.0) -> None:
+        self.at = at
+        self.tokens = tokens
+        self.work = work
+        self.utilisation = 0.0  # of the last sample (its reader may overrule it)
+
+    def take(self, now: float, tokens: float, work: float, capacity: float = 1.0) -> tuple[float, int]:
+        """(utilisation, new tokens) since the previous sample; ``now`` becomes the mark."""
+        span = (now - self.at) * capacity
+        utilisation = min(1.0, max(0.0, (work - self.work) / span)) if span > 0 else 0.0
+        new_tokens = max(0, round(tokens - self.tokens))
+        self.at, self.tokens, self.work = now, tokens, work
+        self.utilisation = utilisation
+        return utilisation, new_tokens
 
 
 class CpuWorker:
@@ -92,7 +146,9 @@ class GpuWorkerBase:
 
 @dataclass
 class LogProbWorker(GpuWorkerBase):
-    """One Megatron forward-only worker computing reference and old-policy log-probs."""
+    """One Megatron forward-only worker computing reference and old-policy log-probs (or a reward
+    model's scores): ``passes`` forward passes over each sample of its micro-batch at its GPUs'
+    FLOP/s. Tokens count from the start of a micro-batch, pro rata while it runs."""
 
     flops_per_s: float = 0.0
     batch: list[int] = field(default_factory=list)  # episodes of the running micro-batch
@@ -101,6 +157,61 @@ class LogProbWorker(GpuWorkerBase):
     started_at: float = 0.0
     ends_at: float = 0.0
     epoch: int = 0
+
+    @classmethod
+    def on(cls, worker_id: str, devices: tuple[Device, ...], perf: PerfModel) -> LogProbWorker:
+        """A worker on ``devices``, at their FLOP/s under ``perf``."""
+        rate = perf.compute_rate([HARDWARE[d.hardware] for d in devices])
+        return cls(worker_id, devices, flops_per_s=rate)
+
+    def start(self, batch: Sequence[tuple[int, int]], perf: PerfModel, passes: int, now: float) -> None:
+        """Run ``batch`` ((episode, tokens) pairs): ``passes`` forward passes over each sample."""
+        tokens = sum(t for _, t in batch)
+        flops = passes * perf.forward_flops([t for _, t in batch])
+        self.batch = [e for e, _ in batch]
+        self.batch_token_counts = [t for _, t in batch]
+        self.batch_tokens = tokens
+        self.started_at = now
+        self.ends_at = now + flops / self.flops_per_s if self.flops_per_s > 0 else math.inf
+        self.tokens_done += tokens
+        self.epoch += 1
+        self.set_busy(True, now)
+
+    def finish(self, now: float) -> list[int]:
+        """The micro-batch is done; returns its episodes."""
+        episodes = self.batch
+        self.batch = []
+        self.set_busy(False, now)
+        return episodes
+
+    def withdraw(self, now: float) -> list[tuple[int, int]]:
+        """Stop the running micro-batch and return its (episode, tokens) to be run again; the part
+        already computed stays counted."""
+        self.set_busy(False, now)
+        items: list[tuple[int, int]] = []
+        if self.batch:
+            done_fraction = (now - self.started_at) / max(self.ends_at - self.started_at, 1e-12)
+            self.tokens_done -= self.batch_tokens * (1.0 - min(1.0, done_fraction))
+            items = list(zip(self.batch, self.batch_token_counts, strict=True))
+        self.batch = []
+        self.epoch += 1
+        return items
+
+    def cancel(self, now: float) -> None:
+        """Drop the running micro-batch: none of its tokens count (it is computed again in full)."""
+        if self.batch:
+            self.tokens_done -= self.batch_tokens
+        self.batch = []
+        self.epoch += 1
+        self.set_busy(False, now)
+
+    def tokens_at(self, now: float) -> float:
+        """Tokens processed by ``now``, the running micro-batch counted pro rata."""
+        if not self.batch:
+            return self.tokens_done
+        span = max(self.ends_at - self.started_at, 1e-12)
+        undone = 1.0 - min(1.0, max(0.0, (now - self.started_at) / span))
+        return self.tokens_done - self.batch_tokens * undone
 
 
 class LogProbPool:
@@ -116,23 +227,16 @@ class LogProbPool:
         self.done = 0
 
     def add_worker(self, worker_id: str, devices: tuple[Device, ...]) -> LogProbWorker:
-        rate = self.perf.compute_rate([HARDWARE[d.hardware] for d in devices])
-        worker = LogProbWorker(worker_id, devices, flops_per_s=rate)
+        worker = LogProbWorker.on(worker_id, devices, self.perf)
         self.workers.append(worker)
         return worker
 
     def remove_worker(self, worker: LogProbWorker, now: float) -> None:
         """The worker leaves; its micro-batch goes back to the head of the queue."""
         self.workers.remove(worker)
-        worker.set_busy(False, now)
-        if worker.batch:
-            done_fraction = (now - worker.started_at) / max(worker.ends_at - worker.started_at, 1e-12)
-            worker.tokens_done -= worker.batch_tokens * (1.0 - min(1.0, done_fraction))
-            for episode, tokens in reversed(list(zip(worker.batch, worker.batch_token_counts, strict=True))):
-                self.queue.appendleft((episode, tokens))
-                self.queued_tokens += tokens
-        worker.batch = []
-        worker.epoch += 1
+        for episode, tokens in reversed(worker.withdraw(now)):
+            self.queue.appendleft((episode, tokens))
+            self.queued_tokens += tokens
 
     def submit(self, episode: int, tokens: int) -> None:
         self.queue.append((episode, tokens))
@@ -151,32 +255,14 @@ class LogProbPool:
                 self.queued_tokens -= item[1]
                 batch.append(item)
                 tokens += item[1]
-            flops = self.passes * self.perf.forward_flops([t for _, t in batch])
-            worker.batch = [e for e, _ in batch]
-            worker.batch_token_counts = [t for _, t in batch]
-            worker.batch_tokens = tokens
-            worker.started_at = now
-            worker.ends_at = now + flops / worker.flops_per_s
-            worker.tokens_done += tokens
-            worker.epoch += 1
-            worker.set_busy(True, now)
+            worker.start(batch, self.perf, self.passes, now)
             started.append(worker)
         return started
 
     def finish(self, worker: LogProbWorker, now: float) -> list[int]:
-        episodes = worker.batch
-        worker.batch = []
-        worker.set_busy(False, now)
+        episodes = worker.finish(now)
         self.done += len(episodes)
         return episodes
-
-    def tokens_at(self, worker: LogProbWorker, now: float) -> float:
-        """Tokens processed by ``now``, the running micro-batch counted pro rata."""
-        if not worker.batch:
-            return worker.tokens_done
-        span = max(worker.ends_at - worker.started_at, 1e-12)
-        undone = 1.0 - min(1.0, max(0.0, (now - worker.started_at) / span))
-        return worker.tokens_done - worker.batch_tokens * undone
 
 
 @dataclass

@@ -4,9 +4,9 @@ Each node agent with ``--backend sim`` drives one ``SimBackend``. It simulates t
 the core simulator's performance model (``scheduler/core/sim``), ``speed`` virtual seconds per wall
 second, so workers produce realistic utilisation, queues, in-flight requests, tokens and progress,
 and migration steps take their modelled time. A background thread keeps the simulation current;
-``telemetry()`` returns what happened since the previous call. The model lives in
-``agents/backends/sim_host.py`` (virtual time only, deterministic); this module maps wall time
-onto it, serialises access, and injects faults (``agents/backends/sim_faults.py``).
+``telemetry()`` returns what happened since the previous call. The model lives in ``host.py``
+(virtual time only, deterministic; migration steps in ``steps.py``); this module maps wall time
+onto it, serialises access, and injects faults (``faults.py``).
 
 Agents of one job coordinate through the control plane only: they report their part of each
 iteration in the heartbeat (``telemetry().jobs``) and learn the global picture from the heartbeat
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetry, WorkerReading
-from agents.backends.sim_faults import (
+from agents.backends.sim.faults import (
     CRASH_EXIT_CODE,
     Fault,
     FaultMode,
@@ -34,8 +34,10 @@ from agents.backends.sim_faults import (
     faults_from_env,
     parse_faults,
 )
-from agents.backends.sim_host import HostError, JobView, SimHost, StepContext, StepPlan
-from agents.backends.sim_model import SpecProblem
+from agents.backends.sim.host import SimHost
+from agents.backends.sim.model import SpecProblem
+from agents.backends.sim.state import HostError, JobView
+from agents.backends.sim.steps import HostSteps, StepContext, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ class SimBackend:
             sample_every_s=sample_interval_s * self.speed,
             trace_dir=trace_dir,
         )
+        self._steps = HostSteps(self._sim)
         self.hardware = self._sim.hardware
         self.faults = FaultPlan(faults_from_env() if faults is None else parse_faults(faults))
         self._exit = exit_process
@@ -304,7 +307,7 @@ class SimBackend:
             self._sim.advance_to(self.virtual_now())
             devices = [
                 DeviceReading(index=index, utilisation=utilisation, memory_used_gb=memory)
-                for index, utilisation, memory in self._sim.device_readings()
+                for index, utilisation, memory in self._sim.telemetry.device_readings()
             ]
             workers = [
                 WorkerReading(
@@ -317,9 +320,9 @@ class SimBackend:
                     progress=s.progress,
                     turn=None if s.turn is None else s.turn.value,
                 )
-                for s in self._sim.drain_samples()
+                for s in self._sim.telemetry.drain()
             ]
-            return Telemetry(devices=devices, workers=workers, jobs=self._sim.progress_entries())
+            return Telemetry(devices=devices, workers=workers, jobs=self._sim.telemetry.progress_entries())
 
     def observe_control(self, reply: Mapping[str, Any]) -> None:
         """The heartbeat reply, or just its ``jobs`` section
@@ -433,7 +436,7 @@ class SimBackend:
         with self._lock:
             self._sim.advance_to(self.virtual_now())
             try:
-                plan: StepPlan = self._sim.begin_step(ctx)
+                plan: StepPlan = self._steps.begin(ctx)
             except (HostError, SpecProblem) as exc:
                 raise StepFailed(f"{self.host}: {ctx.kind}: {exc}") from exc
         if fault is not None and fault.mode is FaultMode.CRASH:

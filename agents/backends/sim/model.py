@@ -21,10 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agents.backends.traces import TraceRefused, resolve_trace_path
+from agents.backends.sim.traces import TraceRefused, resolve_trace_path
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.sim.hardware import HARDWARE, MODELS, HardwareSpec, ModelSpec
 from scheduler.core.sim.perf import EngineCoeffs, PerfModel
+from scheduler.core.sim.stages import ACTOR, INFERENCE, REWARD, ROLLOUT, TOOL, stage_switch_s
 from scheduler.core.sim.trace import (
     TraceRecord,
     decode_weighted_context,
@@ -34,13 +35,11 @@ from scheduler.core.sim.trace import (
 )
 from scheduler.core.sim.workloads import AgenticTurns, Workload, WorkloadKind
 
-ROLLOUT, INFERENCE, REWARD, TOOL, ACTOR = "rollout", "inference", "reward", "tool", "actor"
 GROUP_KINDS = (ROLLOUT, INFERENCE, REWARD, TOOL, ACTOR)
 # Stages that process the iteration's samples one by one and report how many they completed.
 ITEM_KINDS = (ROLLOUT, INFERENCE, REWARD, ACTOR)
 # DAPO's recipe trains 32 prompts per mini-batch; each mini-batch ends with a gradient sync.
 PROMPTS_PER_MINIBATCH = 32
-LOGPROB_PASSES = 2  # reference and old-policy log-probs, as with a KL loss
 REWARD_PASSES = 1  # a reward model's forward pass
 MAX_RUNNING_REQUESTS = {WorkloadKind.MATH: 256, WorkloadKind.AGENTIC: 128}  # SGLang, per engine
 TRACES_KEPT = 4  # iterations whose episodes stay in memory (current, staleness window, a spare)
@@ -92,7 +91,7 @@ def nearest_model(params_b: float) -> ModelSpec:
 
 class JobModel:
     """One job as the agent simulates it. A trace the spec names is read from under ``trace_dir``
-    only (``agents.backends.traces``); without one, a spec naming a trace is refused."""
+    only (``traces.py``); without one, a spec naming a trace is refused."""
 
     def __init__(
         self,
@@ -320,25 +319,17 @@ class JobModel:
             coeffs, self.max_running, self.typical_context, self.max_new_tokens
         )
 
-    def forward_s(self, tokens: int, hardware: Sequence[HardwareSpec], passes: int) -> float:
-        """Seconds of ``passes`` forward passes over one sequence on a worker's GPUs."""
-        rate = self.perf(1).compute_rate(hardware)
-        return passes * self.perf(1).forward_flops([tokens]) / rate if rate > 0 else math.inf
-
     def rank_flops_per_s(self, hardware: Sequence[HardwareSpec]) -> float:
         """Training FLOP/s of one data-parallel rank (its ``tp * pp`` GPUs) at the trainer's MFU."""
         return self.perf(1).compute_rate(hardware)
 
-    def grad_sync_s(self, data_parallel: int) -> float:
-        return self.perf(1).grad_sync_s(data_parallel)
-
     def weight_sync_s(self, tp: int) -> float:
         return self.perf(tp).weight_sync_s()
 
-    def colocate_switch_s(self) -> float:
-        """One colocated stage switch (offload the rollout's side, onload the trainer's, or back),
-        as the core simulator charges it for a job of this many GPUs."""
-        return self.perf(1).colocate_switch_s(self.gpus)
+    def stage_switch_s(self, before: str, after: str) -> float:
+        """A colocated switch between the stages of two group kinds, as the core simulator charges
+        it for a job of this many GPUs (``stages.stage_switch_s``)."""
+        return stage_switch_s(self.perf(1), self.gpus, before, after)
 
 
 def hardware_spec(name: str) -> HardwareSpec:
