@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agents.backends.sim.model import JobModel
 from bench.specs import job_spec
 from bench.stack import (
     AgentFleet,
@@ -48,6 +49,9 @@ from bench.stack import (
     setup_django,
     wait_for,
 )
+from jobs.spec import JobSpec, SpecError, load_document, parse_spec
+from scheduler.core.policies import POLICY_NAMES
+from scheduler.core.sim.trace import write_trace
 
 DEFAULT_NODES = 8
 # Real time: a migration's control-plane round trips (~0.3 s a step) then weigh against the
@@ -82,7 +86,6 @@ class PolicyRun:
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``python -m bench.load --compare A,B``: check the arguments, run, print."""
     policies = [p.strip() for p in args.compare.split(",") if p.strip()]
-    from scheduler.core.policies import POLICY_NAMES
 
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown:
@@ -111,7 +114,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def load_template(path: Path | None, hardware: str, gpus: int) -> dict[str, Any]:
     """The spec every policy runs: ``path``'s (validated, dynarl format) or the default math-RL job
     on all ``gpus``."""
-    from jobs.spec import SpecError, load_document, parse_spec
 
     if path is None:
         return job_spec("compare", 0, hardware, gpus, 1)
@@ -144,9 +146,6 @@ def spec_for(
 
 def write_episodes(template: Mapping[str, Any], iterations: int, seed: int, path: Path) -> int:
     """Draw every iteration's episodes once into a trace file; return the samples per iteration."""
-    from agents.backends.sim.model import JobModel
-    from jobs.spec import parse_spec
-    from scheduler.core.sim.trace import write_trace
 
     model = JobModel(0, parse_spec(template).to_json(), seed=seed)
     records = [
@@ -215,6 +214,7 @@ def run_policy(
 ) -> PolicyRun:
     """One policy on its own fresh nodes, from registration to the job's end; its rows are deleted
     afterwards, whatever happened."""
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from django.contrib.auth import get_user_model
 
     from agents.services import progress
@@ -284,6 +284,7 @@ def run_policy(
 
 def refuse_foreign_free_devices(tag: str, spec: Mapping[str, Any]) -> None:
     """Other ready nodes' free GPUs the job could run on would change what it measures."""
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from cluster.selectors import free_devices
 
     components = list(spec.get("components", []))
@@ -300,10 +301,10 @@ def refuse_foreign_free_devices(tag: str, spec: Mapping[str, Any]) -> None:
 
 
 def describe(job: Any, policy: str, setup_s: float) -> PolicyRun:
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from django.utils import timezone
 
     from common.models import AuditEvent
-    from jobs.spec import JobSpec
     from scheduler.models import Migration, MigrationState, SchedulingDecision
 
     start = job.started_at or timezone.now()
@@ -366,6 +367,7 @@ def describe(job: Any, policy: str, setup_s: float) -> PolicyRun:
 def decision_log(job: Any, start: Any, advances: Sequence[Any]) -> list[str]:
     """When each decision came (wall seconds from the job's start, and in which iteration), what
     it moved, and how its migration ended."""
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from scheduler.models import SchedulingDecision
 
     lines = []
@@ -390,6 +392,7 @@ def dump_run(job: Any, path: Path) -> None:
     """What the job did, as JSON, before its rows go: iteration advances, every tick's outcome,
     decisions with the signals they read and the candidates weighed, migrations with their steps,
     and the per-group telemetry series (the dashboard's own endpoint data)."""
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from rest_framework.renderers import JSONRenderer
 
     from common.models import AuditEvent

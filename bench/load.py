@@ -100,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def measure(args: argparse.Namespace) -> int:
     setup_django()
+    # Django's models load only after setup_django(); this module is imported before it runs.
     import psutil
     from django.contrib.auth import get_user_model
     from django.utils import timezone

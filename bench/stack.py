@@ -325,6 +325,7 @@ def bootstrap(run: Run, workdir: Path) -> Path:
 
 def setup_django() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    # Django's models load only after setup_django(); this module is imported before it runs.
     import django
 
     django.setup()

@@ -194,6 +194,7 @@ def postgres_cpu_s(database: str) -> float:
 
 def prepare(run: Run, port: int, node_count: int, gpus: int, gpus_per_job: int) -> None:
     """Register the nodes, fill their GPUs with running jobs' workers."""
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from django.contrib.auth import get_user_model
 
     from common.audit import Actor
@@ -346,9 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nodes x --gpus must be a multiple of --gpus-per-job")
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    # Django's models load only after setup_django(); this module is imported before it runs.
     import django
 
     django.setup()
+    # Django's models load only after setup_django(); this module is imported before it runs.
     from django.core.management import call_command
     from django.db import connection
     from django.db.migrations.executor import MigrationExecutor
