@@ -12,8 +12,9 @@ from cluster.models import Device
 from common.audit import Actor
 from jobs import services
 from jobs.models import Job, Worker, WorkerState
-from scheduler import migrations, selectors, snapshots
+from scheduler import selectors
 from scheduler.models import MigrationState, TelemetrySample
+from scheduler.services import gpu_migrations, snapshots
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 from tests.scheduler.test_gpu_migrations import deliver_all
 
@@ -55,7 +56,7 @@ def test_a_running_job_holds_each_device_from_admission(running_job: Job) -> Non
 
 def test_a_committed_migration_hands_the_moved_devices_over(running_job: Job) -> None:
     owners = initial_owner(running_job)
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     deliver_all()
@@ -93,7 +94,7 @@ def test_a_committed_migration_hands_the_moved_devices_over(running_job: Job) ->
 
 def test_a_rolled_back_migration_leaves_the_owners_alone(running_job: Job) -> None:
     owners = initial_owner(running_job)
-    migration = migrations.request_manual_migration(
+    migration = gpu_migrations.request_manual_migration(
         running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
     )
     deliver_all(fail_kind="take_back_requests")
