@@ -337,6 +337,16 @@ def plan_migration(
                     share=share,
                 )
             )
+    # Workers that take turns on time-shared devices are outside what a migration step can do (the
+    # agents refuse them): a plan whose steps would pause, switch or hand work to one is refused
+    # whole, before anything runs, rather than failing half-way on one node and not on another.
+    sharing = time_sharing_workers(graph)
+    for step in steps:
+        if touched := sorted(sharing & set(step.worker_ids)):
+            raise PlanError(
+                f"{step.group_id}'s {step.kind.value} step would act on workers on time-shared devices "
+                f"(colocated placement), which migration steps do not apply to: {', '.join(touched)}"
+            )
     return MigrationPlan(migration_id=migration_id, decision=decision, steps=tuple(steps))
 
 
@@ -355,6 +365,16 @@ def time_shared_devices(graph: Hypergraph, device_ids: Iterable[str]) -> dict[st
         for device, held in sorted(holders.items())
         if len(held) > 1
     }
+
+
+def time_sharing_workers(graph: Hypergraph) -> set[str]:
+    """Workers holding a device that another worker holds too (a colocated placement)."""
+    holders: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for worker in node.workers:
+            for device in worker.devices:
+                holders.setdefault(device.id, []).append(worker.id)
+    return {worker for held in holders.values() if len(held) > 1 for worker in held}
 
 
 def _node(graph: Hypergraph, group_id: str, role: str) -> HyperNode:

@@ -322,8 +322,18 @@ def test_time_shared_devices_do_not_move() -> None:
     ):
         with pytest.raises(PlanError, match=r"time-shared .*n0-g1 by reward, rollout"):
             plan_migration(decision, graph, COSTS, migration_id="m")
-    # The devices the rollout holds alone still move.
-    plan = plan_migration(_decision("rollout", "actor", ("n0-g2", "n0-g3")), graph, COSTS, migration_id="m")
+    # Nor does a move whose steps would act on a time-sharing worker: the agents refuse those steps,
+    # so on a gang spread over nodes one node would switch and another not. The rollout giving up
+    # the devices it holds alone would hand its requests to r0 and r1, which time-share theirs.
+    with pytest.raises(
+        PlanError, match=r"redistribute_requests step would act on workers on time-shared devices .*r0, r1"
+    ):
+        plan_migration(_decision("rollout", "actor", ("n0-g2", "n0-g3")), graph, COSTS, migration_id="m")
+    # Growing the rollout would switch every member, the time-sharing ones included.
+    with pytest.raises(PlanError, match=r"rollout's \w+ step would act on workers on time-shared devices"):
+        plan_migration(_decision("actor", "rollout", ("n1-g0", "n1-g1")), graph, COSTS, migration_id="m")
+    # A group without a time-sharing worker still moves.
+    plan = plan_migration(_decision("actor", "tool", ("n1-g0", "n1-g1")), graph, COSTS, migration_id="m")
     assert plan.steps
 
 
