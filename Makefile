@@ -43,9 +43,11 @@ lint: $(INSTALLED)
 pytest: $(INSTALLED)
 	$(BIN)/pytest
 
-# Every policy on the same traces; prints the table recorded in BENCHMARKS.md (about 8 minutes).
+# Every policy on the same traces, then on traces of other length distributions; prints the
+# tables recorded in BENCHMARKS.md (about 10 + 15 minutes).
 bench: $(INSTALLED)
 	$(BIN)/python -m bench.policies
+	$(BIN)/python -m bench.robustness
 
 clean-data:
 	rm -rf .dynarl
