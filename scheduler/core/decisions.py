@@ -21,6 +21,7 @@ class Reason(StrEnum):
     RETURN_BORROWED = "return_borrowed"
     GROW_INTO_FREE_DEVICES = "grow_into_free_devices"
     PHASE_SWITCH = "phase_switch"  # static-colocated time-sharing
+    REPLAN_BASE_SPLIT = "replan_base_split"  # dynarl: the next iteration's split, from measurements
     OPERATOR_REQUEST = "operator_request"
 
 

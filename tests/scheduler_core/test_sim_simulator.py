@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ class ScriptedPolicy:
         self.placement = placement
         self.split = split
         self.done = False
+        self.ended = 0
+        self.switch_after: dict[int, Placement] = {}  # iteration -> placement from the next one
+        self.refused: list[str] = []
         self.graphs: list[Hypergraph] = []
         self.signals: list[Mapping[str, GroupSignals]] = []
 
@@ -58,7 +61,21 @@ class ScriptedPolicy:
         return self.split
 
     def on_iteration_end(self, graph: Hypergraph, now: float) -> list[Decision]:
+        self.ended = graph.iteration
         return []
+
+    def next_placement(self) -> Replacement | None:
+        to = self.switch_after.get(self.ended - 1) if self.switch_after else None
+        return Replacement(to, f"scripted switch to {to}") if to is not None else None
+
+    def placement_refused(self, change: Any, why: str) -> None:
+        self.refused.append(why)
+
+
+@dataclass(frozen=True)
+class Replacement:
+    placement: Placement
+    detail: str
 
 
 def move(donor: str | None, recipient: str | None, device_ids: Sequence[str]) -> Decision:
@@ -134,6 +151,32 @@ def test_colocated_runs_every_stage_on_all_gpus_in_turn() -> None:
     assert stages == {"rollout", "inference", "actor"}
     # Two offload/onload switches per iteration except after the last one.
     assert result.colocate_switch_s > 0
+
+
+def test_a_placement_change_at_a_boundary_rebuilds_the_job_and_keeps_every_gpu_accounted() -> None:
+    workload = get_workload("math-tiny-async")  # 4 iterations; asynchronous, so also refused once
+    policy = ScriptedPolicy(1e9, lambda g, f: [])
+    policy.switch_after = {0: Placement.COLOCATED, 1: Placement.DISAGGREGATED}
+    simulation, result = scripted_run(workload, policy)
+    # The asynchronous job generates ahead of its trainer: its placement may not change.
+    assert result.placements == ("disaggregated",) * 4
+    assert policy.refused and "asynchronous" in policy.refused[0]
+
+    workload = get_workload("math-tiny")
+    two = replace(workload, iterations=4)
+    policy = ScriptedPolicy(1e9, lambda g, f: [])
+    policy.switch_after = {0: Placement.COLOCATED, 2: Placement.DISAGGREGATED}
+    simulation, result = scripted_run(two, policy)
+    assert result.placements == ("disaggregated", "colocated", "colocated", "disaggregated")
+    assert [c.to for c in result.placement_changes] == ["colocated", "disaggregated"]
+    assert all(c.cost_s > 0 for c in result.placement_changes)
+    tokens, _ = expected_tokens(two)
+    assert result.tokens == tokens  # every sample trained exactly once across the switches
+    colocated = [g for g in policy.graphs if g.iteration in (1, 2) and any(n.gpus for n in g.nodes)]
+    assert colocated and all(sum(1 for n in g.nodes if n.gpus) == 1 for g in colocated)
+    last = [g for g in policy.graphs if g.iteration == 3 and sum(1 for n in g.nodes if n.gpus) == 3]
+    assert last, "the last iteration runs disaggregated again, every GPU group holding GPUs"
+    assert result.gpu_seconds["in_migration"] > 0  # the switches' GPU-time is accounted
 
 
 def test_colocated_placement_refuses_moves() -> None:

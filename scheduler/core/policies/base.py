@@ -30,11 +30,22 @@ class Placement(StrEnum):
     DISAGGREGATED = "disaggregated"  # each group owns its GPUs; stages overlap
 
 
+class PlacementChange(Protocol):
+    """A policy's re-planned placement for the next iteration (``replan.PlacementChoice``)."""
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def detail(self) -> str: ...
+
+
 class SchedulingPolicy(Protocol):
     """A ``scheduler.core.decisions.Policy`` plus what the simulator and the backends need."""
 
     name: str
     placement: Placement
+    placement_changes_supported: bool
 
     @property
     def params(self) -> Mapping[str, ParamValue]:
@@ -66,6 +77,20 @@ class SchedulingPolicy(Protocol):
         caller owes it ``on_iteration_end`` before the next ``decide``."""
         ...
 
+    def next_placement(self) -> PlacementChange | None:
+        """After ``on_iteration_end``: the placement the next iteration should run under, when
+        the policy re-planned it (handed out once), else None."""
+        ...
+
+    def placement_refused(self, change: PlacementChange, why: str) -> None:
+        """The caller could not carry out ``change``; the job keeps its placement."""
+        ...
+
+    @property
+    def replan_note(self) -> str:
+        """What the last iteration boundary's re-planning measured and concluded ("" if none)."""
+        ...
+
     def state_to_json(self) -> dict[str, Any]:
         """What the policy remembers between ticks (loans, cooldowns, moves in flight)."""
         ...
@@ -86,6 +111,9 @@ class BasePolicy:
     PARAMS: ClassVar[tuple[ParamSpec, ...]] = ()
     # A decision not visible in the hypergraph after this long is presumed failed.
     PENDING_TIMEOUT_S: ClassVar[float] = 30.0
+    # Whether the caller can switch the job between colocated and disaggregated placement at an
+    # iteration boundary (``next_placement``): the simulator can; a caller that cannot sets False.
+    placement_changes_supported: bool = True
 
     def __init__(
         self,
@@ -127,6 +155,16 @@ class BasePolicy:
         self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
     ) -> list[Decision]:
         return []
+
+    def next_placement(self) -> PlacementChange | None:
+        return None
+
+    def placement_refused(self, change: PlacementChange, why: str) -> None:
+        return None
+
+    @property
+    def replan_note(self) -> str:
+        return ""
 
     def iteration_advanced(self, graph: Hypergraph) -> bool:
         seen = self.clock.iteration

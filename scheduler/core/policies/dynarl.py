@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from scheduler.core.decisions import Candidate, Decision, Prediction, Reason
 from scheduler.core.hypergraph import ComponentKind, Device, Hypergraph, HyperNode, MigrationStrategy, Worker
-from scheduler.core.policies.base import BasePolicy, Placement
+from scheduler.core.policies.base import BasePolicy, Placement, PlacementChange
 from scheduler.core.policies.moves import (
     PendingMove,
     ReturnMove,
@@ -23,8 +23,18 @@ from scheduler.core.policies.moves import (
     release_problem,
     valid_growth_steps,
 )
+from scheduler.core.policies.outcomes import MoveOutcomes, move_kind
 from scheduler.core.policies.pace import PaceMemory, PaceModel, consolidation_slowdown, largest_valid_gpus
 from scheduler.core.policies.params import ParamSpec
+from scheduler.core.policies.replan import (
+    IterationLedger,
+    IterationRecord,
+    PlacementChoice,
+    PlacementModel,
+    Replanner,
+    time_shared,
+    work,
+)
 from scheduler.core.signals import GroupSignals
 
 NOT_BEST = "a better candidate was chosen"
@@ -88,6 +98,21 @@ class DynaRLPolicy(BasePolicy):
     throughput by ``rebalance_gain_ratio`` for ``sustain_s`` (asynchronous RL, where a new batch
     arrives while every stage is busy).
 
+    Re-planning (``replan``): every iteration is measured from the same signals (the rollout's
+    body and tail, the pipeline's busy GPU-seconds; ``replan.IterationLedger``). At the boundary
+    the next iteration's placement is chosen from what the job measured (``replan.Replanner``):
+    time-sharing every GPU (colocated) when it is predicted at least ``replan_margin`` faster,
+    switch included, and back when the tail returns; a placement never run on the job must beat
+    the margin by the model's own measured error. Disaggregated, the base split (the rollout's
+    GPUs at the start of an iteration) shifts by whole workers when the placement model predicts
+    the shifted split ``replan_margin`` faster. The live control plane cannot switch a running
+    job's placement (``placement_changes_supported``): there the choice is only recorded.
+
+    Do no harm (``outcomes.MoveOutcomes``): per kind of move (which kind of group gave to which,
+    and each direction of a re-planned split), what the moves were predicted to gain is held
+    against what the iteration measured; a kind that gains less is trusted less, a kind that
+    loses is not made for ``probation_iterations`` iterations.
+
     Placement: ``plan_initial_split`` keeps the job spec's split except the trainer, which starts
     at its smallest valid size (in a synchronous iteration it has nothing to train until its
     first mini-batch is complete); its other GPUs go to the groups that have work from the
@@ -108,6 +133,9 @@ class DynaRLPolicy(BasePolicy):
     | `n_minibatches` | 8 | trainer mini-batches per iteration (the job spec fills it): one drains after the rollout |
     | `rebalance_gain_ratio` | 0.2 | predicted job throughput gain needed to take workers from a group that is not idle (0: never) |
     | `kv_share_prior` | 0.3 | share of a decode step that grows with the running sequences, until the job's own rollout resizes measure it |
+    | `replan` | True | re-plan the placement and the base split at iteration boundaries from what the job measured |
+    | `replan_margin` | 0.1 | share of an iteration the other placement (switch included) or a shifted split must save |
+    | `probation_iterations` | 5 | iterations a kind of move that lost time is not made, before one fresh trial |
     """
 
     name = "dynarl"
@@ -157,10 +185,41 @@ class DynaRLPolicy(BasePolicy):
             minimum=0.0,
             maximum=1.0,
         ),
+        ParamSpec(
+            "replan",
+            True,
+            "at iteration boundaries, switch between disaggregated and colocated placement when "
+            "the job's measurements predict the other is faster",
+        ),
+        ParamSpec(
+            "replan_margin",
+            0.1,
+            "share of an iteration the other placement must save, switch included, to switch",
+            minimum=0.0,
+            maximum=1.0,
+        ),
+        ParamSpec(
+            "probation_iterations",
+            5,
+            "iterations a kind of move whose moves lost time is not made, before one fresh trial",
+            minimum=1,
+        ),
     )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.mode = Placement.DISAGGREGATED  # the placement the job runs now (the spec's, at first)
+        self.ledger = IterationLedger(self.param_float("low_fraction_threshold"))
+        self.replanner = Replanner(
+            PlacementModel(self.cost_model, self.param_int("n_minibatches")), self.param_float("replan_margin")
+        )
+        self.outcomes = MoveOutcomes(self.param_int("probation_iterations"))
+        self._rollout_base: int | None = None  # rollout GPUs at the start of a disaggregated iteration
+        self._placement_choice: PlacementChoice | None = None  # for the caller to carry out
+        self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
+        self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
+        self._iteration = 0
+        self._raw_gains: dict[tuple[str, ...], tuple[str, float]] = {}
         self._low_since: dict[str, float] = {}
         self.memory = PaceMemory()
         self._rebalance_since: dict[str, float] = {}
@@ -227,11 +286,20 @@ class DynaRLPolicy(BasePolicy):
         now: float,
     ) -> list[Decision]:
         self._sync(graph, now, free_devices)
+        self._iteration = graph.iteration
+        self.ledger.observe(graph, signals, now)
+        if time_shared(graph):
+            self.mode = Placement.COLOCATED  # the job was placed colocated (its spec, or a switch)
+        if self.mode is Placement.COLOCATED:
+            # Every stage time-shares every GPU: there is nothing to move until the boundary.
+            self.last_candidates = ()
+            return []
         self.memory.observe(graph, signals, now)
         self._track_triggers(graph, signals, now)
         busy = self.pending.busy_groups()
         model = self._model(graph, signals, now)
         self._recipient_cache = None
+        self._raw_gains = {}
         base = model.finish_s()
 
         considered: list[Candidate] = []
@@ -257,6 +325,7 @@ class DynaRLPolicy(BasePolicy):
         self.last_candidates = tuple(considered)
         if decision is None:
             return []
+        self._open_outcome(graph, signals, decision, base, now)
         self._probe_rollout(graph, signals, model, decision, now)
         if decision.reason is Reason.RETURN_BORROWED:
             assert decision.recipient is not None and decision.donor is not None
@@ -301,31 +370,199 @@ class DynaRLPolicy(BasePolicy):
     def on_iteration_end(
         self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
     ) -> list[Decision]:
-        """Every borrowed GPU goes home for the next iteration's rollout, unless the rollout is
-        already generating it (asynchronous RL): then the ticks weigh each return. Given the
-        signals (live), a return goes only if the pace model says it pays for itself at the
-        job's measured migration cost, or if its lender has no worker left; the ticks weigh the
-        loans kept (``_best_return``)."""
+        """Learn from the iteration that ended and plan the next one (``_replan``): its
+        placement, and, disaggregated, its base split. Then every borrowed GPU goes home for the
+        next iteration's rollout, unless the rollout is already generating it (asynchronous RL):
+        then the ticks weigh each return. Given the signals (live), a return goes only if the
+        pace model says it pays for itself at the job's measured migration cost, or if its
+        lender has no worker left; the ticks weigh the loans kept (``_best_return``)."""
         self._sync(graph, now)
         self._low_since.clear()
         self._plan = []
+        self._iteration = graph.iteration
+        self.outcomes.settle(now, graph.iteration)
+        record = self._close_iteration(graph, now)
+        choice = self._replan(graph, record)
+        if choice is not None:
+            # The whole placement is rebuilt for the next iteration: no loan goes home first.
+            self._placement_choice = choice
+            self.loans.loans.clear()
+            return []
         if self.memory.generating_ahead(graph.iteration):
             return []
         if signals is None:
-            return self._issued(self._return_loans(graph, now), now)
-        self.memory.observe(graph, signals, now)
-        model = self._model(graph, signals, now)
-        base = model.finish_s()
+            returns = self._return_loans(graph, now)
+        else:
+            self.memory.observe(graph, signals, now)
+            model = self._model(graph, signals, now)
+            base = model.finish_s()
 
-        def worth(move: ReturnMove) -> bool:
-            if not move.lender.workers:
-                return True
-            candidate = self._score(
-                model, base, _Move(move.borrower, move.lender, move.devices, move.workers), signals
+            def worth(move: ReturnMove) -> bool:
+                if not move.lender.workers:
+                    return True
+                candidate = self._score(
+                    model, base, _Move(move.borrower, move.lender, move.devices, move.workers), signals
+                )
+                return candidate.rejected_because is None
+
+            returns = self._return_loans(graph, now, worth)
+        rebase = self._rebase(graph, record, returns, now)
+        return self._issued([*returns, *rebase], now)
+
+    # -- re-planning at the boundary -----------------------------------------------------------
+
+    def _close_iteration(self, graph: Hypergraph, now: float) -> IterationRecord | None:
+        """The record of the iteration that just ended, learnt from; the ledger starts the next."""
+        record = self.ledger.close(now, self.ledger.job_gpus_max, self.mode)
+        if self.mode is Placement.DISAGGREGATED and self.ledger.rollout_gpus_max > 0 and self._rollout_base is None:
+            self._rollout_base = self.ledger.rollout_gpus_max
+        self.ledger.start(graph.iteration, now)
+        if record is None:
+            return None
+        self.replanner.learn(record)
+        if self._rebase_open is not None:
+            # What the last re-planned split gained: the iteration's duration at the previous
+            # one's pace for its work, against what it took.
+            kind, predicted_s, seconds_per_work = self._rebase_open
+            self._rebase_open = None
+            gained = seconds_per_work * work(record) - record.duration_s
+            self.outcomes.record(kind, gained / predicted_s, graph.iteration)
+        return record
+
+    def _replan(self, graph: Hypergraph, record: IterationRecord | None) -> PlacementChoice | None:
+        """The placement change the next iteration should run under, or None to keep it."""
+        if not self.param_bool("replan") or record is None:
+            return None
+        total = record.total_gpus
+        rollout_gpus = self._rollout_base or max(1, round(0.75 * total))
+        # Time-sharing runs the stages in turn: a job generating ahead of its trainer
+        # (asynchronous RL) would lose its overlap, so it stays disaggregated.
+        allow = self.memory.batches_ahead(graph.iteration) == 0
+        trainer_gpus = sum(n.gpus for n in graph.by_kind(ComponentKind.ACTOR))
+        choice = self.replanner.choose(self.mode, rollout_gpus, trainer_gpus, allow_colocated=allow)
+        if choice is None:
+            return None
+        self.last_replan = choice.detail
+        if not choice.changes_from(self.mode):
+            return None
+        if not self.placement_changes_supported:
+            self.last_replan = (
+                f"{choice.detail} [not carried out: this control plane does not change a running "
+                f"job's placement]"
             )
-            return candidate.rejected_because is None
+            return None
+        return choice
 
-        return self._issued(self._return_loans(graph, now, worth), now)
+    def _rebase(
+        self, graph: Hypergraph, record: IterationRecord | None, returns: Sequence[Decision], now: float
+    ) -> list[Decision]:
+        """The next iteration's base split, disaggregated: whole workers between the rollout and
+        the pipeline group with the most work (log-probs, else the trainer), when the placement
+        model, on what the iteration measured, predicts the shifted split at least
+        ``replan_margin`` faster. Devices going home already are left alone. Each re-planned split
+        is held against the next iteration's measured duration (``MoveOutcomes``)."""
+        if (
+            not self.param_bool("replan")
+            or record is None
+            or record.placement is not Placement.DISAGGREGATED
+            or self.mode is not Placement.DISAGGREGATED
+            or self._rollout_base is None
+            or self.memory.batches_ahead(graph.iteration) > 0
+        ):
+            return []
+        rollouts = [n for n in graph.by_kind(ComponentKind.ROLLOUT) if n.workers]
+        partners = [n for n in graph.by_kind(ComponentKind.INFERENCE) if n.workers] or [
+            n for n in graph.by_kind(ComponentKind.ACTOR) if n.workers
+        ]
+        if len(rollouts) != 1 or len(partners) != 1:
+            return []
+        rollout, partner = rollouts[0], partners[0]
+        step = math.lcm(rollout.parallelism.gpus_per_worker, partner.parallelism.gpus_per_worker)
+        base = self._rollout_base
+        model = self.replanner.model
+        now_s = model.disaggregated_s(record, base)
+        if now_s <= 0:
+            return []
+        returning = {d for decision in returns for d in decision.device_ids}
+        margin = self.param_float("replan_margin")
+        best: tuple[float, Decision, str] | None = None
+        for donor, recipient, rollout_after in (
+            (rollout, partner, base - step),
+            (partner, rollout, base + step),
+        ):
+            if rollout_after <= 0 or rollout_after >= record.total_gpus:
+                continue
+            saving = 1.0 - model.disaggregated_s(record, rollout_after) / now_s
+            kind = f"rebase:{move_kind(donor, recipient)}"
+            trust, suspended = self.outcomes.trust(kind, graph.iteration)
+            if suspended is not None or saving * trust < margin:
+                continue
+            workers = self._whole_workers(donor, recipient, step, returning)
+            if workers is None or (best is not None and saving <= best[0]):
+                continue
+            devices = devices_of(workers)
+            detail = (
+                f"iteration {record.iteration} measured rollout body {record.rollout_body_s:.0f}s, tail "
+                f"{record.rollout_tail_s:.0f}s, pipeline {record.pipeline_gpu_s:.0f} GPU-s: the rollout "
+                f"starts the next with {rollout_after} GPUs instead of {base} "
+                f"(predicted {saving:.0%} faster): {len(devices)} GPUs of {donor.id} to {recipient.id}"
+            )
+            decision = make_decision(
+                self.name,
+                Reason.REPLAN_BASE_SPLIT,
+                detail,
+                donor=donor,
+                recipient=recipient,
+                device_ids=[d.id for d in devices],
+                at=now,
+            )
+            best = (saving, decision, kind)
+        if best is None:
+            return []
+        saving, decision, kind = best
+        self._rollout_base = base - step if decision.donor == rollout.id else base + step
+        self._rebase_open = (kind, saving * record.duration_s, record.duration_s / max(work(record), 1e-9))
+        self.last_replan = f"{self.last_replan}; {decision.detail}" if self.last_replan else decision.detail
+        return [decision]
+
+    @staticmethod
+    def _whole_workers(
+        donor: HyperNode, recipient: HyperNode, gpus: int, excluded: set[str]
+    ) -> tuple[Worker, ...] | None:
+        """Whole donor workers holding ``gpus`` GPUs on one node, none of them in ``excluded``,
+        that leave both groups at valid sizes; None when there are none."""
+        count = gpus // donor.parallelism.gpus_per_worker
+        if release_problem(donor, count) is not None:
+            return None
+        by_node: dict[str, list[Worker]] = {}
+        for worker in sorted(donor.workers, key=lambda w: (w.utilisation, w.id)):
+            if not any(d.id in excluded for d in worker.devices):
+                by_node.setdefault(worker.node, []).append(worker)
+        for node_workers in by_node.values():
+            if len(node_workers) >= count:
+                chosen = tuple(node_workers[:count])
+                if receive_problem(recipient, devices_of(chosen)) is None:
+                    return chosen
+        return None
+
+    def next_placement(self) -> PlacementChoice | None:
+        """The placement change decided at the last boundary, handed to the caller once; the
+        policy takes it as done (``placement_refused`` undoes that)."""
+        choice, self._placement_choice = self._placement_choice, None
+        if choice is not None:
+            self.mode = choice.placement
+            # Back to disaggregated, the caller places the job by ``plan_initial_split`` again.
+            self._rollout_base = None
+        return choice
+
+    @property
+    def replan_note(self) -> str:
+        return self.last_replan
+
+    def placement_refused(self, choice: PlacementChange, why: str) -> None:
+        """The caller could not carry out ``choice``: the job stays as it was."""
+        self.mode = Placement.DISAGGREGATED if choice.placement is Placement.COLOCATED else Placement.COLOCATED
+        self.last_replan = f"{choice.detail} [not carried out: {why}]"
 
     # -- triggers ------------------------------------------------------------------------------
 
@@ -514,24 +751,52 @@ class DynaRLPolicy(BasePolicy):
         gain = base - after_s
         prediction = self._prediction(model, base, after_s, legs[0], signals, changes)
         ratio = prediction.gain / prediction.job_before if prediction.job_before > 0 else 0.0
+        # What moves of this kind gained on this job so far, against what they were predicted to.
+        kind = move_kind(legs[0].donor, recipient)
+        trust, suspended = self.outcomes.trust(kind, self._iteration)
         why = None
-        if not math.isfinite(after_s) or gain <= 0:
+        if suspended is not None:
+            why = suspended
+        elif not math.isfinite(after_s) or gain <= 0:
             why = f"migration cost {cost_s:.2f}s outweighs the predicted gain ({gain:+.1f}s)"
-        elif ratio < self.param_float("min_gain_ratio"):
+        elif ratio * trust < self.param_float("min_gain_ratio"):
+            discounted = f" ({trust:.0%} of it, as {kind} moves have paid here)" if trust < 1.0 else ""
             why = (
-                f"predicted job gain {ratio:.1%} is under min_gain_ratio "
+                f"predicted job gain {ratio:.1%}{discounted} is under min_gain_ratio "
                 f"{self.param_float('min_gain_ratio'):.1%}"
             )
         first = legs[0].donor
+        device_ids = tuple(d.id for leg in legs for d in leg.devices)
+        if math.isfinite(gain):
+            self._raw_gains[device_ids] = (kind, gain)
         return Candidate(
             donor=first.id if first else None,
             recipient=recipient.id,
-            device_ids=tuple(d.id for leg in legs for d in leg.devices),
+            device_ids=device_ids,
             prediction=prediction,
             migration_cost_s=cost_s,
-            score=gain if math.isfinite(gain) else -math.inf,
+            score=gain * trust if math.isfinite(gain) else -math.inf,
             rejected_because=why,
         )
+
+    def _open_outcome(
+        self,
+        graph: Hypergraph,
+        signals: Mapping[str, GroupSignals],
+        decision: Decision,
+        base: float,
+        now: float,
+    ) -> None:
+        """Remember what the chosen move was predicted to gain, to hold it against what it gains
+        once it has landed and a signal window has seen it (``MoveOutcomes``)."""
+        chosen = decision.chosen
+        weighed = self._raw_gains.get(chosen.device_ids) if chosen is not None else None
+        # Before a previous batch is known the pace model rests on fallback rules: what its
+        # predictions then miss says nothing about the move.
+        if chosen is None or weighed is None or not math.isfinite(base) or self.memory.previous_duration_s is None:
+            return
+        kind, gain = weighed
+        self.outcomes.opened(kind, gain, base)
 
     def _prediction(
         self,
@@ -1035,6 +1300,13 @@ class DynaRLPolicy(BasePolicy):
             "rebalance_since": dict(self._rebalance_since),
             "pace": self.memory.to_json(),
             "plan": [leg.to_json() for leg in self._plan],
+            "mode": self.mode.value,
+            "ledger": self.ledger.to_json(),
+            "replanner": self.replanner.to_json(),
+            "outcomes": self.outcomes.to_json(),
+            "rollout_base": self._rollout_base,
+            "last_replan": self.last_replan,
+            "rebase_open": list(self._rebase_open) if self._rebase_open is not None else None,
         }
 
     def load_state(self, data: Mapping[str, Any]) -> None:
@@ -1044,6 +1316,15 @@ class DynaRLPolicy(BasePolicy):
         self.memory = PaceMemory()
         self.memory.load(data.get("pace", {}))
         self._plan = [PendingMove.from_json(item) for item in data.get("plan", [])]
+        self.mode = Placement(data.get("mode", Placement.DISAGGREGATED.value))
+        self.ledger.load(data.get("ledger", {}))
+        self.replanner.load(data.get("replanner", {}))
+        self.outcomes.load(data.get("outcomes", {}))
+        base = data.get("rollout_base")
+        self._rollout_base = None if base is None else int(base)
+        self.last_replan = str(data.get("last_replan", ""))
+        rebase = data.get("rebase_open")
+        self._rebase_open = (str(rebase[0]), float(rebase[1]), float(rebase[2])) if rebase else None
 
 
 def _smallest_valid_gpus(node: HyperNode) -> int:

@@ -39,6 +39,17 @@ class MoveRecord:
 
 
 @dataclass(frozen=True)
+class PlacementChangeRecord:
+    """A re-planning policy's switch of placement at an iteration boundary."""
+
+    at: float
+    iteration: int  # the first iteration run under the new placement
+    to: str
+    cost_s: float
+    why: str
+
+
+@dataclass(frozen=True)
 class SimResult:
     workload: str
     policy: str
@@ -75,6 +86,8 @@ class SimResult:
     decision_latency_p99_ms: float
     decision_calls: int
     wall_s: float
+    placements: tuple[str, ...] = ()  # per iteration, the placement it ran under
+    placement_changes: tuple[PlacementChangeRecord, ...] = ()
 
     def to_dict(self, *, include_wall_clock: bool = False) -> dict[str, Any]:
         """A JSON-ready dict; without wall-clock measurements it is a pure function of the inputs."""

@@ -12,6 +12,10 @@ Placement:
   trainer, mini-batch by mini-batch) and decisions move GPUs between groups.
 - COLOCATED: all GPUs run one stage at a time (rollout, then log-probs, then training), paying an
   offload/onload switch between the rollout and the trainer's stages; decisions cannot apply.
+
+A policy that re-plans (``next_placement``) may switch between the two at an iteration boundary
+of a synchronous job: every worker stops, the trainer's state spreads to every GPU (or gathers
+back onto the trainer's), engines start, and the next iteration runs under the new placement.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from scheduler.core.hypergraph import (
     Parallelism,
     Worker,
 )
-from scheduler.core.policies.base import Placement
+from scheduler.core.policies.base import Placement, PlacementChange
 from scheduler.core.router import DataRouter, RoutedRequest, RouterMode
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals, WorkerSample
@@ -43,7 +47,7 @@ from scheduler.core.sim.engine import Engine, SimRequest
 from scheduler.core.sim.episodes import Episode
 from scheduler.core.sim.hardware import HARDWARE
 from scheduler.core.sim.perf import EngineCoeffs, PerfModel
-from scheduler.core.sim.results import MoveRecord, SimResult, percentile
+from scheduler.core.sim.results import MoveRecord, PlacementChangeRecord, SimResult, percentile
 from scheduler.core.sim.stages import (
     ACTOR,
     INFERENCE,
@@ -69,7 +73,20 @@ FREE = ""
 
 # Event kinds, in the order they run when they fall on the same instant: work first, then
 # migration steps, then the telemetry tick that lets the policy see the result.
-ENGINE, CPU_DONE, LOGPROB_DONE, TRAIN_DONE, WEIGHTS_SYNCED, MOVE_RELEASE, MOVE_READY, PHASE, TICK = range(9)
+(
+    ENGINE,
+    CPU_DONE,
+    LOGPROB_DONE,
+    TRAIN_DONE,
+    WEIGHTS_SYNCED,
+    MOVE_RELEASE,
+    MOVE_READY,
+    PHASE,
+    PLACEMENT,
+    TICK,
+) = range(10)
+# Owner of the devices while the job changes placement.
+REPLACING = "~move:placement"
 
 # What a GPU-second went to (``SimResult.gpu_seconds``): an engine's useful decode and prefill
 # relative to a full engine, the rest of an engine holding requests (a drained engine's
@@ -111,6 +128,10 @@ class SimPolicy(Protocol):
     def on_iteration_end(
         self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
     ) -> list[Decision]: ...
+
+    def next_placement(self) -> PlacementChange | None: ...
+
+    def placement_refused(self, change: PlacementChange, why: str) -> None: ...
 
 
 class SimulationStalled(RuntimeError):
@@ -198,6 +219,8 @@ class Simulation:
         self.cost_model = cost_model or MigrationCostModel(model_params_b=self.model.params_b)
         self.observe = observe
         self.colocated = policy.placement is Placement.COLOCATED
+        self.placements: list[str] = []  # per iteration, the placement it ran under
+        self.placement_changes: list[tuple[float, int, str, float, str]] = []  # at, iteration, to, cost, why
         # A colocated job cannot overlap rollout with training, so it runs synchronously.
         self.staleness = 0 if self.colocated or workload.staleness is None else workload.staleness
         policy_u_low = getattr(policy, "params", {}).get("u_low")
@@ -257,7 +280,9 @@ class Simulation:
         all_records = [e.record for e in self.episodes]
         # The context a decode step reads per sequence: what "a full engine" means for utilisation.
         self.typical_context = decode_weighted_context(all_records)
-        self._check_engine_fits(max(r.total_tokens for r in all_records))
+        self._longest_context = max(r.total_tokens for r in all_records)
+        self._check_engine_fits(self._longest_context)
+        self._pending_placement: PlacementChange | None = None
 
         # Stages.
         self.engines: dict[str, Engine] = {}
@@ -450,6 +475,7 @@ class Simulation:
             MOVE_RELEASE: self._on_move_release,
             MOVE_READY: self._on_move_ready,
             PHASE: self._on_phase,
+            PLACEMENT: self._on_placement,
             TICK: self._on_tick,
         }
         while self.trainer_version < len(self.batches):
@@ -845,6 +871,7 @@ class Simulation:
             return
         # The iteration is trained: new weights, the policy's end-of-iteration moves, the next batch.
         batch.trained_at = self.now
+        self.placements.append(self._placement_now())
         self.iteration_end_s.append(self.now)
         self.trainer_version += 1
         self.trainer.next_batch += 1
@@ -855,6 +882,15 @@ class Simulation:
         for decision in self.policy.on_iteration_end(graph, self.now):
             self.decisions_issued += 1
             self._apply(decision, self.now)
+        change = self.policy.next_placement()
+        if change is not None and change.placement.value != self._placement_now():
+            problem = self._placement_problem(change.placement)
+            if problem is None:
+                self._pending_placement = change
+                self._change_placement_when_idle(self.now)
+                return
+            self.rejected.append((self.now, "replan_placement", problem))
+            self.policy.placement_refused(change, problem)
         if self.colocated:
             self._switch_phase(ROLLOUT, self.now, self._stage_switch_s(ACTOR, ROLLOUT))
             return
@@ -864,6 +900,71 @@ class Simulation:
             self._reschedule_engine(engine)
         self._push(self.now + sync_s, WEIGHTS_SYNCED, self.trainer_version)
         self._kick_trainer(self.now)
+
+    # == placement changes (a re-planning policy) ===============================================
+
+    def _placement_now(self) -> str:
+        return (Placement.COLOCATED if self.colocated else Placement.DISAGGREGATED).value
+
+    def _placement_problem(self, to: Placement) -> str | None:
+        """Why the job cannot switch to ``to`` at this boundary, or None."""
+        if any(b.submitted for b in self.batches[self.trainer_version :]):
+            return "a later batch is already being generated (asynchronous RL keeps its placement)"
+        if to is Placement.COLOCATED:
+            for hardware in sorted({d.hardware for d in self.devices}):
+                coeffs = self.perf.engine_coeffs(HARDWARE[hardware], colocated=True)
+                if coeffs.kv_capacity_tokens < self._longest_context:
+                    return f"a colocated engine on {hardware} cannot hold the longest episode"
+        return None
+
+    def _change_placement_when_idle(self, now: float) -> None:
+        """Start the pending placement change once no migration is in flight."""
+        change = self._pending_placement
+        if change is None or self.moves:
+            return
+        self._pending_placement = None
+        to = change.placement
+        total = len(self.devices)
+        trainer_before = sum(1 for owner in self.owner.values() if owner == ACTOR)
+        for group in self._gpu_groups():
+            held = {d for d, owner in self.owner.items() if owner == group}
+            if held:
+                _, taken = self._remove_workers(group, held, now)
+                if taken:
+                    raise AssertionError("a placement change stopped engines with requests running")
+        for device in self.devices:
+            self.owner[device.id] = REPLACING
+        split: dict[str, int] | None = None
+        if to is Placement.COLOCATED:
+            # The trainer's state spreads from its ranks to every GPU; every GPU starts an engine.
+            moved, after = max(1, total - trainer_before), total
+        else:
+            split = self._initial_split()
+            moved, after = max(1, total - split[ACTOR]), split[ACTOR]
+        cost_s = self.cost_model.estimate_s(
+            MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after
+        ) + self.cost_model.engine_launch_s()
+        self.placement_changes.append((now, self.trainer_version, to.value, cost_s, change.detail))
+        self._push(now + cost_s, PLACEMENT, (to, split))
+
+    def _on_placement(self, payload: tuple[Placement, dict[str, int] | None]) -> None:
+        to, split = payload
+        if to is Placement.COLOCATED:
+            self.colocated = True
+            self.staleness = 0
+            self._on_phase(ROLLOUT)
+            return
+        assert split is not None
+        self.colocated = False
+        self.staleness = self.workload.staleness or 0
+        self.phase = ROLLOUT
+        cursor = 0
+        for group in self._gpu_groups():
+            gpus = split[group]
+            self._add_workers(group, tuple(d.id for d in self.devices[cursor : cursor + gpus]), self.now)
+            cursor += gpus
+        self.rollout_version = self.trainer_version
+        self._submit_allowed_batches(self.now)
 
     def _on_weights_synced(self, version: int) -> None:
         self.rollout_version = max(self.rollout_version, version)
@@ -1032,6 +1133,8 @@ class Simulation:
             )
         )
         del self.moves[move.id]
+        if self._pending_placement is not None:
+            self._change_placement_when_idle(self.now)
 
     # == telemetry, the policy tick =============================================================
 
@@ -1399,4 +1502,9 @@ class Simulation:
             decision_latency_p99_ms=1e3 * percentile(self.decision_latencies_s, 0.99),
             decision_calls=len(self.decision_latencies_s),
             wall_s=wall_s,
+            placements=tuple(self.placements),
+            placement_changes=tuple(
+                PlacementChangeRecord(at, iteration, to, cost_s, why)
+                for at, iteration, to, cost_s, why in self.placement_changes
+            ),
         )

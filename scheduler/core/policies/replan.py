@@ -1,0 +1,404 @@
+"""Re-planning at iteration boundaries: learn the job from what it measured, pick the placement.
+
+The job spec's placement is a guess made before the job ran. Whether time-sharing every GPU
+(colocated, verl) or giving each group its own (disaggregated, with ``dynarl`` lending drained
+GPUs to the bottleneck) is faster depends on the rollout's tail, and the tail changes as a policy
+learns (responses grow), a curriculum changes prompts, or a tool gets slower. So the policy
+measures each iteration (``IterationLedger``, from the same group signals every tick sees, live or
+simulated), and at the boundary predicts the next iteration under both placements
+(``PlacementModel``) and switches only when the other is predicted faster by a margin that also
+pays for the switch.
+
+What an iteration is made of (``IterationRecord``):
+
+- the rollout's **body**: the time its engines are mostly busy, as GPU-seconds. It scales with
+  the GPUs generating: on ``g`` GPUs it takes ``body_gpu_s / g``;
+- the rollout's **tail**: the time most of its engines are drained (under ``u_low``) while the
+  last requests decode. It does not shrink with more GPUs: a straggler decodes one token per
+  step whatever the engine count;
+- the **pipeline**: GPU-seconds the log-prob and trainer groups were busy (their utilisation
+  times their GPUs), and how much of it overlapped the rollout.
+
+Colocated runs the stages in turn on all ``N`` GPUs: body/N + tail + pipeline/N + two stage
+switches. Disaggregated overlaps: the body on the rollout's base GPUs, the tail with the drained
+GPUs lent to the pipeline, then what is left of the pipeline on all GPUs.
+
+Neither formula is exact, so each placement carries a **correction** learned from the job
+itself: measured duration over the model's value for the iteration that ran in it (smoothed).
+A placement never tried keeps a correction of 1; one that turned out slower than predicted is
+predicted slower from then on. That is the no-harm rule at this level: a wrong guess costs one
+iteration, and the measurement it leaves stops it from being made again while the job stays as
+it is. The margin (``replan_margin``) keeps small predicted gains from flapping the placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from scheduler.core.costs import MigrationCostModel
+from scheduler.core.hypergraph import ComponentKind, Hypergraph, MigrationStrategy
+from scheduler.core.policies.base import Placement
+from scheduler.core.signals import GroupSignals
+
+# A gap between two observations longer than this is not charged to either (a restarted
+# scheduler, ticks skipped while a migration ran for long): the ledger resumes from the next tick.
+MAX_OBSERVATION_GAP_S = 60.0
+# The saving a never-tried placement must promise, before the job has measured how far the
+# model's crossing from one placement to the other is off, and the range that measurement may set.
+TRIAL_MARGIN_PRIOR = 0.1
+TRIAL_MARGIN_BOUNDS = (0.1, 0.5)
+# Without a measurement of the disaggregated tail: the share of the rollout's GPUs that keep
+# its stragglers once it has drained (the rest are lent to the pipeline).
+TAIL_GPUS_PRIOR = 0.25
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one iteration measured (seconds and GPU-seconds), under one placement."""
+
+    iteration: int
+    placement: Placement
+    duration_s: float
+    total_gpus: int
+    rollout_body_s: float
+    rollout_body_gpu_s: float
+    rollout_tail_s: float
+    rollout_tail_gpu_s: float  # GPU-seconds the rollout held while drained
+    pipeline_gpu_s: float  # busy GPU-seconds of the log-prob and trainer groups
+    pipeline_overlap_gpu_s: float  # the part done while the rollout still generated
+
+    @property
+    def rollout_s(self) -> float:
+        return self.rollout_body_s + self.rollout_tail_s
+
+    @property
+    def tail_gpus(self) -> float:
+        return self.rollout_tail_gpu_s / self.rollout_tail_s if self.rollout_tail_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["placement"] = self.placement.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> IterationRecord:
+        values: dict[str, Any] = {f.name: data[f.name] for f in fields(cls)}
+        values["placement"] = Placement(values["placement"])
+        return cls(**values)
+
+
+class IterationLedger:
+    """Integrates the group signals of one iteration, tick by tick, into an ``IterationRecord``.
+
+    A tick's interval (since the previous one) is charged to what that tick sees: the rollout in
+    its body (has requests, most engines busy) or its tail (has requests, more than
+    ``low_fraction_threshold`` of its engines under ``u_low``), and the pipeline groups' busy
+    GPU-seconds (utilisation times GPUs)."""
+
+    def __init__(self, low_fraction_threshold: float) -> None:
+        self.threshold = low_fraction_threshold
+        self.iteration: int | None = None
+        self.started_at = 0.0
+        self.last_at: float | None = None
+        self.ticks = 0
+        self.sums: dict[str, float] = dict.fromkeys(_SUMS, 0.0)
+        self.rollout_gpus_max = 0  # the most GPUs the rollout held this iteration
+        self.job_gpus_max = 0  # the most GPUs the job's GPU groups held together
+
+    def start(self, iteration: int, now: float) -> None:
+        self.iteration = iteration
+        self.started_at = now
+        self.last_at = now
+        self.ticks = 0
+        self.sums = dict.fromkeys(_SUMS, 0.0)
+        self.rollout_gpus_max = 0
+        self.job_gpus_max = 0
+
+    def observe(self, graph: Hypergraph, signals: Mapping[str, GroupSignals], now: float) -> None:
+        if self.iteration != graph.iteration:
+            self.start(graph.iteration, now)
+            return
+        last = self.last_at if self.last_at is not None else now
+        self.last_at = now
+        dt = now - last
+        if dt <= 0 or dt > MAX_OBSERVATION_GAP_S:
+            return
+        self.ticks += 1
+        rollout_gpus = 0
+        requests = 0
+        drained_workers = 0.0
+        rollout_workers = 0
+        for node in graph.by_kind(ComponentKind.ROLLOUT):
+            sig = signals.get(node.id)
+            if sig is None:
+                continue
+            rollout_gpus += node.gpus
+            requests += sig.in_flight + sig.queue_length
+            drained_workers += sig.low_utilisation_fraction * sig.workers
+            rollout_workers += sig.workers
+        generating = requests > 0
+        self.rollout_gpus_max = max(self.rollout_gpus_max, rollout_gpus)
+        self.job_gpus_max = max(self.job_gpus_max, len(gpu_device_ids(graph)))
+        if generating:
+            drained = rollout_workers > 0 and drained_workers / rollout_workers > self.threshold
+            phase = "tail" if drained else "body"
+            self.sums[f"rollout_{phase}_s"] += dt
+            self.sums[f"rollout_{phase}_gpu_s"] += rollout_gpus * dt
+        for kind in (ComponentKind.INFERENCE, ComponentKind.ACTOR):
+            for node in graph.by_kind(kind):
+                sig = signals.get(node.id)
+                if sig is None or node.gpus <= 0:
+                    continue
+                busy = node.gpus * sig.utilisation_mean * dt
+                self.sums["pipeline_gpu_s"] += busy
+                if generating:
+                    self.sums["pipeline_overlap_gpu_s"] += busy
+
+    def close(self, now: float, total_gpus: int, placement: Placement) -> IterationRecord | None:
+        """The record of the iteration ending at ``now``, run under ``placement``; None when too
+        little of it was seen (a scheduler started mid-iteration)."""
+        if self.iteration is None or self.ticks < 3 or self.sums["rollout_body_s"] <= 0:
+            return None
+        return IterationRecord(
+            iteration=self.iteration,
+            placement=placement,
+            duration_s=max(0.0, now - self.started_at),
+            total_gpus=total_gpus,
+            **{name: self.sums[name] for name in _SUMS},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "started_at": self.started_at,
+            "last_at": self.last_at,
+            "ticks": self.ticks,
+            "sums": dict(self.sums),
+            "rollout_gpus_max": self.rollout_gpus_max,
+            "job_gpus_max": self.job_gpus_max,
+        }
+
+    def load(self, data: Mapping[str, Any]) -> None:
+        iteration = data.get("iteration")
+        self.iteration = None if iteration is None else int(iteration)
+        self.started_at = float(data.get("started_at", 0.0))
+        last = data.get("last_at")
+        self.last_at = None if last is None else float(last)
+        self.ticks = int(data.get("ticks", 0))
+        self.rollout_gpus_max = int(data.get("rollout_gpus_max", 0))
+        self.job_gpus_max = int(data.get("job_gpus_max", 0))
+        self.sums = {name: float(data.get("sums", {}).get(name, 0.0)) for name in _SUMS}
+
+
+_SUMS = (
+    "rollout_body_s",
+    "rollout_body_gpu_s",
+    "rollout_tail_s",
+    "rollout_tail_gpu_s",
+    "pipeline_gpu_s",
+    "pipeline_overlap_gpu_s",
+)
+
+
+GPU_KINDS = (ComponentKind.ROLLOUT, ComponentKind.INFERENCE, ComponentKind.ACTOR)
+
+
+def gpu_device_ids(graph: Hypergraph) -> set[str]:
+    """The devices the job's GPU groups hold (each once, time-shared or not)."""
+    return {d for node in graph.nodes if node.kind in GPU_KINDS for d in node.device_ids}
+
+
+def time_shared(graph: Hypergraph) -> bool:
+    """Whether the job's GPU groups take turns on the same devices (a colocated placement)."""
+    held = sum(node.gpus for node in graph.nodes if node.kind in GPU_KINDS)
+    return held > len(gpu_device_ids(graph))
+
+
+@dataclass(frozen=True)
+class PlacementModel:
+    """Seconds an iteration like ``record`` takes under each placement (before corrections)."""
+
+    cost_model: MigrationCostModel
+    n_minibatches: int
+
+    def stage_switches_s(self, gpus: int) -> float:
+        """Colocated: the rollout's engines and the trainer's state swap places twice an
+        iteration, each side's state moved per GPU at the cost model's transfer rate."""
+        return 2.0 * self.cost_model.estimate_s(MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=gpus)
+
+    def colocated_s(self, record: IterationRecord) -> float:
+        """The stages in turn on all GPUs. The rollout's body spreads over every engine; its
+        tail does not shrink, and no rollout is shorter than its longest request, which in a
+        synchronous iteration ran from the rollout's start to its end wherever it was measured
+        (consolidated stragglers on a disaggregated rollout may keep its engines busy through
+        the tail, so the tail alone would understate it)."""
+        n = max(1, record.total_gpus)
+        rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, record.rollout_s)
+        return rollout + record.pipeline_gpu_s / n + self.stage_switches_s(n)
+
+    def disaggregated_s(self, record: IterationRecord, rollout_gpus: int) -> float:
+        """The rollout's body on its ``rollout_gpus``, its tail on the engines that keep the
+        stragglers while the rest serve the pipeline (after one trainer move), then the pipeline's
+        remaining work on every GPU, no less than its last mini-batch."""
+        n = max(1, record.total_gpus)
+        rollout_gpus = min(max(1, rollout_gpus), n)
+        body = record.rollout_body_gpu_s / rollout_gpus
+        if record.placement is Placement.DISAGGREGATED and record.rollout_tail_s > 0:
+            kept = min(record.tail_gpus, float(rollout_gpus))
+        else:
+            kept = TAIL_GPUS_PRIOR * rollout_gpus
+        lend_s = self.cost_model.estimate_s(
+            MigrationStrategy.P2P, gpus_moved=max(1, rollout_gpus), recipient_gpus_after=n
+        )
+        pipeline_gpus = n - rollout_gpus
+        during_body = min(record.pipeline_gpu_s, self._overlap_in_body(record, pipeline_gpus, body))
+        tail = record.rollout_tail_s
+        tail_capacity = pipeline_gpus * min(tail, lend_s) + (n - kept) * max(0.0, tail - lend_s)
+        left = max(0.0, record.pipeline_gpu_s - during_body - tail_capacity)
+        last_minibatch = record.pipeline_gpu_s / max(1, self.n_minibatches) / n
+        after = max(last_minibatch, left / n + (lend_s if left > 0 and tail <= lend_s else 0.0))
+        return body + tail + after
+
+    @staticmethod
+    def _overlap_in_body(record: IterationRecord, pipeline_gpus: int, body_s: float) -> float:
+        """Pipeline work done while the rollout's body runs: what the record saw overlap, scaled
+        to this split's pipeline GPU-seconds when it was measured on a disaggregated split; none
+        measured colocated (the stages took turns), so then the samples the body finishes are
+        taken to arrive evenly and half of the pipeline's capacity over the body is used."""
+        if record.placement is Placement.DISAGGREGATED and record.rollout_body_s > 0:
+            measured_gpus = record.total_gpus - record.rollout_body_gpu_s / record.rollout_body_s
+            if measured_gpus <= 0:
+                return 0.0
+            rate = record.pipeline_overlap_gpu_s / (measured_gpus * record.rollout_s)
+            return rate * pipeline_gpus * body_s
+        return 0.5 * pipeline_gpus * body_s
+
+    def predict_s(self, record: IterationRecord, placement: Placement, rollout_gpus: int) -> float:
+        if placement is Placement.COLOCATED:
+            return self.colocated_s(record)
+        return self.disaggregated_s(record, rollout_gpus)
+
+    def switch_s(self, to: Placement, total_gpus: int, trainer_gpus: int) -> float:
+        """The one-off cost of changing placement at a boundary: the trainer's state spreads to
+        (or gathers from) every GPU, and engines start on the GPUs that gain one."""
+        moved = max(1, total_gpus - trainer_gpus)
+        after = total_gpus if to is Placement.COLOCATED else max(1, trainer_gpus)
+        return self.cost_model.estimate_s(
+            MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after
+        ) + self.cost_model.engine_launch_s()
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """The placement for the next iteration and why."""
+
+    placement: Placement
+    predicted_s: Mapping[Placement, float]
+    switch_s: float
+    detail: str
+
+    def changes_from(self, current: Placement) -> bool:
+        return self.placement is not current
+
+
+class Replanner:
+    """The choice at each boundary, from what the job measured; its state is the policy's.
+
+    The current placement is predicted to take what its last iteration took. The other one:
+
+    - **measured before** on this job: what it took then, scaled by how much work the last
+      iteration had against that one (the rollout's body and the pipeline's busy GPU-seconds,
+      which the placement does not change much); it must save ``margin`` of an iteration;
+    - **never run here**: ``PlacementModel`` from the last record. That prediction crosses from
+      one placement's measurements to the other's, so it must save more: the model's own error
+      on such a crossing, measured at the last trial on this job (``TRIAL_MARGIN_PRIOR`` until
+      one was made).
+    """
+
+    def __init__(self, model: PlacementModel, margin: float) -> None:
+        self.model = model
+        self.margin = margin
+        self.records: dict[Placement, IterationRecord] = {}  # the latest of each placement
+        self.last: IterationRecord | None = None
+        self.trial_margin = TRIAL_MARGIN_PRIOR
+        self.trial: tuple[Placement, float] | None = None  # a first run, and what it was predicted to take
+
+    def learn(self, record: IterationRecord) -> None:
+        if self.trial is not None and self.trial[0] is record.placement and self.trial[1] > 0:
+            # How far the crossing prediction was off: the margin the next trial must clear.
+            error = abs(record.duration_s / self.trial[1] - 1.0)
+            self.trial_margin = min(max(error, TRIAL_MARGIN_BOUNDS[0]), TRIAL_MARGIN_BOUNDS[1])
+        self.trial = None
+        self.records[record.placement] = record
+        self.last = record
+
+    def predicted_s(self, placement: Placement, rollout_gpus: int) -> tuple[float, bool]:
+        """Seconds the next iteration takes under ``placement``, and whether that rests on a
+        measurement of it (rather than on the model alone)."""
+        last = self.last
+        assert last is not None
+        if placement is last.placement:
+            return last.duration_s, True
+        seen = self.records.get(placement)
+        if seen is not None and work(seen) > 0:
+            return seen.duration_s * work(last) / work(seen), True
+        return self.model.predict_s(last, placement, rollout_gpus), False
+
+    def choose(
+        self, current: Placement, rollout_gpus: int, trainer_gpus: int, *, allow_colocated: bool
+    ) -> PlacementChoice | None:
+        """The placement for the next iteration, or None with nothing measured yet."""
+        record = self.last
+        if record is None:
+            return None
+        other = Placement.DISAGGREGATED if current is Placement.COLOCATED else Placement.COLOCATED
+        stay, _ = self.predicted_s(current, rollout_gpus)
+        move, measured = self.predicted_s(other, rollout_gpus)
+        predicted = {current: stay, other: move}
+        switch = self.model.switch_s(other, record.total_gpus, trainer_gpus)
+        margin = self.margin if measured else max(self.margin, self.trial_margin)
+        basis = "measured on this job" if measured else "modelled, never run here"
+        summary = (
+            f"iteration {record.iteration} ({record.placement}) took {record.duration_s:.0f}s: rollout "
+            f"body {record.rollout_body_s:.0f}s, tail {record.rollout_tail_s:.0f}s, pipeline "
+            f"{record.pipeline_gpu_s:.0f} GPU-s; {other} predicted {move:.0f}s ({basis})"
+        )
+        if other is Placement.COLOCATED and not allow_colocated:
+            return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead")
+        if move + switch < stay * (1.0 - margin):
+            if not measured:
+                self.trial = (other, move)
+            return PlacementChoice(
+                other,
+                predicted,
+                switch,
+                f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch "
+                f"(needs {margin:.0%})",
+            )
+        return PlacementChoice(current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "records": {mode.value: record.to_json() for mode, record in self.records.items()},
+            "last": self.last.to_json() if self.last is not None else None,
+            "trial_margin": self.trial_margin,
+            "trial": [self.trial[0].value, self.trial[1]] if self.trial is not None else None,
+        }
+
+    def load(self, data: Mapping[str, Any]) -> None:
+        self.records = {
+            Placement(k): IterationRecord.from_json(v) for k, v in data.get("records", {}).items()
+        }
+        last = data.get("last")
+        self.last = IterationRecord.from_json(last) if last else None
+        self.trial_margin = float(data.get("trial_margin", TRIAL_MARGIN_PRIOR))
+        trial = data.get("trial")
+        self.trial = (Placement(trial[0]), float(trial[1])) if trial else None
+
+
+def work(record: IterationRecord) -> float:
+    """An iteration's work as either placement does it: the rollout body's and the pipeline's
+    GPU-seconds (the tail is left out: it is the part the placements spend differently)."""
+    return record.rollout_body_gpu_s + record.pipeline_gpu_s
