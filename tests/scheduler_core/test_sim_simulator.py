@@ -157,7 +157,7 @@ def test_a_placement_change_at_a_boundary_rebuilds_the_job_and_keeps_every_gpu_a
     workload = get_workload("math-tiny-async")  # 4 iterations; asynchronous, so also refused once
     policy = ScriptedPolicy(1e9, lambda g, f: [])
     policy.switch_after = {0: Placement.COLOCATED, 1: Placement.DISAGGREGATED}
-    simulation, result = scripted_run(workload, policy)
+    _, result = scripted_run(workload, policy)
     # The asynchronous job generates ahead of its trainer: its placement may not change.
     assert result.placements == ("disaggregated",) * 4
     assert policy.refused and "asynchronous" in policy.refused[0]
@@ -166,7 +166,7 @@ def test_a_placement_change_at_a_boundary_rebuilds_the_job_and_keeps_every_gpu_a
     two = replace(workload, iterations=4)
     policy = ScriptedPolicy(1e9, lambda g, f: [])
     policy.switch_after = {0: Placement.COLOCATED, 2: Placement.DISAGGREGATED}
-    simulation, result = scripted_run(two, policy)
+    _, result = scripted_run(two, policy)
     assert result.placements == ("disaggregated", "colocated", "colocated", "disaggregated")
     assert [c.to for c in result.placement_changes] == ["colocated", "disaggregated"]
     assert all(c.cost_s > 0 for c in result.placement_changes)

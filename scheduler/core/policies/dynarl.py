@@ -211,7 +211,8 @@ class DynaRLPolicy(BasePolicy):
         self.mode = Placement.DISAGGREGATED  # the placement the job runs now (the spec's, at first)
         self.ledger = IterationLedger(self.param_float("low_fraction_threshold"))
         self.replanner = Replanner(
-            PlacementModel(self.cost_model, self.param_int("n_minibatches")), self.param_float("replan_margin")
+            PlacementModel(self.cost_model, self.param_int("n_minibatches")),
+            self.param_float("replan_margin"),
         )
         self.outcomes = MoveOutcomes(self.param_int("probation_iterations"))
         self._rollout_base: int | None = None  # rollout GPUs at the start of a disaggregated iteration
@@ -414,7 +415,11 @@ class DynaRLPolicy(BasePolicy):
     def _close_iteration(self, graph: Hypergraph, now: float) -> IterationRecord | None:
         """The record of the iteration that just ended, learnt from; the ledger starts the next."""
         record = self.ledger.close(now, self.ledger.job_gpus_max, self.mode)
-        if self.mode is Placement.DISAGGREGATED and self.ledger.rollout_gpus_max > 0 and self._rollout_base is None:
+        if (
+            self.mode is Placement.DISAGGREGATED
+            and self.ledger.rollout_gpus_max > 0
+            and self._rollout_base is None
+        ):
             self._rollout_base = self.ledger.rollout_gpus_max
         self.ledger.start(graph.iteration, now)
         if record is None:
@@ -561,7 +566,9 @@ class DynaRLPolicy(BasePolicy):
 
     def placement_refused(self, choice: PlacementChange, why: str) -> None:
         """The caller could not carry out ``choice``: the job stays as it was."""
-        self.mode = Placement.DISAGGREGATED if choice.placement is Placement.COLOCATED else Placement.COLOCATED
+        self.mode = (
+            Placement.DISAGGREGATED if choice.placement is Placement.COLOCATED else Placement.COLOCATED
+        )
         self.last_replan = f"{choice.detail} [not carried out: {why}]"
 
     # -- triggers ------------------------------------------------------------------------------
@@ -793,7 +800,12 @@ class DynaRLPolicy(BasePolicy):
         weighed = self._raw_gains.get(chosen.device_ids) if chosen is not None else None
         # Before a previous batch is known the pace model rests on fallback rules: what its
         # predictions then miss says nothing about the move.
-        if chosen is None or weighed is None or not math.isfinite(base) or self.memory.previous_duration_s is None:
+        if (
+            chosen is None
+            or weighed is None
+            or not math.isfinite(base)
+            or self.memory.previous_duration_s is None
+        ):
             return
         kind, gain = weighed
         self.outcomes.opened(kind, gain, base)

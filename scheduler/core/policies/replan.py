@@ -226,7 +226,9 @@ class PlacementModel:
     def stage_switches_s(self, gpus: int) -> float:
         """Colocated: the rollout's engines and the trainer's state swap places twice an
         iteration, each side's state moved per GPU at the cost model's transfer rate."""
-        return 2.0 * self.cost_model.estimate_s(MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=gpus)
+        return 2.0 * self.cost_model.estimate_s(
+            MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=gpus
+        )
 
     def colocated_s(self, record: IterationRecord) -> float:
         """The stages in turn on all GPUs. The rollout's body spreads over every engine; its
@@ -285,9 +287,10 @@ class PlacementModel:
         (or gathers from) every GPU, and engines start on the GPUs that gain one."""
         moved = max(1, total_gpus - trainer_gpus)
         after = total_gpus if to is Placement.COLOCATED else max(1, trainer_gpus)
-        return self.cost_model.estimate_s(
-            MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after
-        ) + self.cost_model.engine_launch_s()
+        return (
+            self.cost_model.estimate_s(MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after)
+            + self.cost_model.engine_launch_s()
+        )
 
 
 @dataclass(frozen=True)
@@ -366,7 +369,9 @@ class Replanner:
             f"{record.pipeline_gpu_s:.0f} GPU-s; {other} predicted {move:.0f}s ({basis})"
         )
         if other is Placement.COLOCATED and not allow_colocated:
-            return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead")
+            return PlacementChoice(
+                current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead"
+            )
         if move + switch < stay * (1.0 - margin):
             if not measured:
                 self.trial = (other, move)
@@ -377,7 +382,9 @@ class Replanner:
                 f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch "
                 f"(needs {margin:.0%})",
             )
-        return PlacementChoice(current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})")
+        return PlacementChoice(
+            current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -941,9 +941,10 @@ class Simulation:
         else:
             split = self._initial_split()
             moved, after = max(1, total - split[ACTOR]), split[ACTOR]
-        cost_s = self.cost_model.estimate_s(
-            MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after
-        ) + self.cost_model.engine_launch_s()
+        cost_s = (
+            self.cost_model.estimate_s(MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after)
+            + self.cost_model.engine_launch_s()
+        )
         self.placement_changes.append((now, self.trainer_version, to.value, cost_s, change.detail))
         self._push(now + cost_s, PLACEMENT, (to, split))
 
