@@ -49,6 +49,9 @@ MAX_OBSERVATION_GAP_S = 60.0
 # model's crossing from one placement to the other is off, and the range that measurement may set.
 TRIAL_MARGIN_PRIOR = 0.1
 TRIAL_MARGIN_BOUNDS = (0.1, 0.5)
+# A change of the rollout's tail share (tail seconds over rollout seconds) by more than this
+# makes a measurement of the other placement stale.
+SHAPE_CHANGE = 0.15
 # Without a measurement of the disaggregated tail: the share of the rollout's GPUs that keep
 # its stragglers once it has drained (the rest are lent to the pipeline).
 TAIL_GPUS_PRIOR = 0.25
@@ -68,10 +71,16 @@ class IterationRecord:
     rollout_tail_gpu_s: float  # GPU-seconds the rollout held while drained
     pipeline_gpu_s: float  # busy GPU-seconds of the log-prob and trainer groups
     pipeline_overlap_gpu_s: float  # the part done while the rollout still generated
+    tokens: float  # what the trainer trained (its tokens/s over the iteration)
 
     @property
     def rollout_s(self) -> float:
         return self.rollout_body_s + self.rollout_tail_s
+
+    @property
+    def tail_share(self) -> float:
+        """How much of the rollout its tail was: the job's shape, as one placement sees it."""
+        return self.rollout_tail_s / self.rollout_s if self.rollout_s > 0 else 0.0
 
     @property
     def tail_gpus(self) -> float:
@@ -151,6 +160,8 @@ class IterationLedger:
                 sig = signals.get(node.id)
                 if sig is None or node.gpus <= 0:
                     continue
+                if kind is ComponentKind.ACTOR:
+                    self.sums["tokens"] += sig.tokens_per_s * dt
                 busy = node.gpus * sig.utilisation_mean * dt
                 self.sums["pipeline_gpu_s"] += busy
                 if generating:
@@ -199,6 +210,7 @@ _SUMS = (
     "rollout_tail_gpu_s",
     "pipeline_gpu_s",
     "pipeline_overlap_gpu_s",
+    "tokens",
 )
 
 
@@ -311,29 +323,38 @@ class Replanner:
 
     The current placement is predicted to take what its last iteration took. The other one:
 
-    - **measured before** on this job: what it took then, scaled by how much work the last
-      iteration had against that one (the rollout's body and the pipeline's busy GPU-seconds,
-      which the placement does not change much); it must save ``margin`` of an iteration;
-    - **never run here**: ``PlacementModel`` from the last record. That prediction crosses from
-      one placement's measurements to the other's, so it must save more: the model's own error
-      on such a crossing, measured at the last trial on this job (``TRIAL_MARGIN_PRIOR`` until
-      one was made).
+    - **measured on this job, and the job is as it was then**: its measured throughput (tokens
+      over seconds) applied to the last iteration's tokens; it must save ``margin``. "As it was"
+      means the current placement's tail share has not moved by more than ``SHAPE_CHANGE`` since
+      its first iteration after the switch: a tail that appears or disappears changes which
+      placement wins, so an older measurement of the other one no longer says much;
+    - **otherwise**: ``PlacementModel`` on the last record. That prediction crosses from one
+      placement's measurements to the other's, so it must save more: the model's own error on
+      the last crossing into that placement on this job (``TRIAL_MARGIN_PRIOR`` before one).
     """
 
     def __init__(self, model: PlacementModel, margin: float) -> None:
         self.model = model
         self.margin = margin
         self.records: dict[Placement, IterationRecord] = {}  # the latest of each placement
+        self.first: dict[Placement, IterationRecord] = {}  # each placement's first since it began
         self.last: IterationRecord | None = None
-        self.trial_margin = TRIAL_MARGIN_PRIOR
-        self.trial: tuple[Placement, float] | None = None  # a first run, and what it was predicted to take
+        self.trial_margins: dict[Placement, float] = {}
+        self.trial: tuple[Placement, float] | None = None  # a crossing, and the seconds it predicted
+
+    def trial_margin(self, placement: Placement) -> float:
+        return self.trial_margins.get(placement, TRIAL_MARGIN_PRIOR)
 
     def learn(self, record: IterationRecord) -> None:
         if self.trial is not None and self.trial[0] is record.placement and self.trial[1] > 0:
-            # How far the crossing prediction was off: the margin the next trial must clear.
+            # How far the crossing prediction was off: the margin the next one must clear.
             error = abs(record.duration_s / self.trial[1] - 1.0)
-            self.trial_margin = min(max(error, TRIAL_MARGIN_BOUNDS[0]), TRIAL_MARGIN_BOUNDS[1])
+            self.trial_margins[record.placement] = min(
+                max(error, TRIAL_MARGIN_BOUNDS[0]), TRIAL_MARGIN_BOUNDS[1]
+            )
         self.trial = None
+        if self.last is None or self.last.placement is not record.placement:
+            self.first[record.placement] = record
         self.records[record.placement] = record
         self.last = record
 
@@ -345,8 +366,10 @@ class Replanner:
         if placement is last.placement:
             return last.duration_s, True
         seen = self.records.get(placement)
-        if seen is not None and work(seen) > 0:
-            return seen.duration_s * work(last) / work(seen), True
+        since = self.first.get(last.placement)
+        unchanged = since is not None and abs(last.tail_share - since.tail_share) <= SHAPE_CHANGE
+        if seen is not None and unchanged and seen.tokens > 0 and last.tokens > 0:
+            return seen.duration_s * last.tokens / seen.tokens, True
         return self.model.predict_s(last, placement, rollout_gpus), False
 
     def choose(
@@ -361,17 +384,15 @@ class Replanner:
         move, measured = self.predicted_s(other, rollout_gpus)
         predicted = {current: stay, other: move}
         switch = self.model.switch_s(other, record.total_gpus, trainer_gpus)
-        margin = self.margin if measured else max(self.margin, self.trial_margin)
-        basis = "measured on this job" if measured else "modelled, never run here"
+        margin = self.margin if measured else max(self.margin, self.trial_margin(other))
+        basis = "its measured throughput on this job" if measured else "modelled from this iteration"
         summary = (
             f"iteration {record.iteration} ({record.placement}) took {record.duration_s:.0f}s: rollout "
             f"body {record.rollout_body_s:.0f}s, tail {record.rollout_tail_s:.0f}s, pipeline "
             f"{record.pipeline_gpu_s:.0f} GPU-s; {other} predicted {move:.0f}s ({basis})"
         )
         if other is Placement.COLOCATED and not allow_colocated:
-            return PlacementChoice(
-                current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead"
-            )
+            return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead")
         if move + switch < stay * (1.0 - margin):
             if not measured:
                 self.trial = (other, move)
@@ -382,15 +403,14 @@ class Replanner:
                 f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch "
                 f"(needs {margin:.0%})",
             )
-        return PlacementChoice(
-            current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})"
-        )
+        return PlacementChoice(current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})")
 
     def to_json(self) -> dict[str, Any]:
         return {
             "records": {mode.value: record.to_json() for mode, record in self.records.items()},
+            "first": {mode.value: record.to_json() for mode, record in self.first.items()},
             "last": self.last.to_json() if self.last is not None else None,
-            "trial_margin": self.trial_margin,
+            "trial_margins": {mode.value: value for mode, value in self.trial_margins.items()},
             "trial": [self.trial[0].value, self.trial[1]] if self.trial is not None else None,
         }
 
@@ -398,14 +418,15 @@ class Replanner:
         self.records = {
             Placement(k): IterationRecord.from_json(v) for k, v in data.get("records", {}).items()
         }
+        self.first = {Placement(k): IterationRecord.from_json(v) for k, v in data.get("first", {}).items()}
         last = data.get("last")
         self.last = IterationRecord.from_json(last) if last else None
-        self.trial_margin = float(data.get("trial_margin", TRIAL_MARGIN_PRIOR))
+        self.trial_margins = {Placement(k): float(v) for k, v in data.get("trial_margins", {}).items()}
         trial = data.get("trial")
         self.trial = (Placement(trial[0]), float(trial[1])) if trial else None
 
 
 def work(record: IterationRecord) -> float:
-    """An iteration's work as either placement does it: the rollout body's and the pipeline's
-    GPU-seconds (the tail is left out: it is the part the placements spend differently)."""
+    """An iteration's work as a disaggregated split does it: the rollout body's and the
+    pipeline's GPU-seconds (for comparing iterations of one placement)."""
     return record.rollout_body_gpu_s + record.pipeline_gpu_s

@@ -1,0 +1,283 @@
+"""dynarl's re-planning and its no-harm rule: the iteration ledger, the placement choice from
+what the job measured, the re-planned base split, and the per-kind record of moves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from scheduler.core.costs import MigrationCostModel
+from scheduler.core.decisions import Reason
+from scheduler.core.hypergraph import ComponentKind, Hypergraph
+from scheduler.core.policies import Placement
+from scheduler.core.policies.outcomes import MIN_OUTCOMES, MoveOutcomes
+from scheduler.core.policies.replan import (
+    TRIAL_MARGIN_PRIOR,
+    IterationLedger,
+    IterationRecord,
+    PlacementModel,
+    Replanner,
+)
+from scheduler.core.signals import GroupSignals
+from scheduler.core.sim.families import LengthFamily, reshape
+from scheduler.core.sim.runner import simulate
+from scheduler.core.sim.simulator import SimOptions
+from scheduler.core.sim.trace import TraceRecord, generate_trace
+from scheduler.core.sim.workloads import get_workload
+from tests.scheduler_core.test_policies_dynarl import drained, job, policy_with
+from tests.scheduler_core.test_policies_fixtures import make_graph, make_group, make_signals
+
+ROLLOUT = ComponentKind.ROLLOUT
+ACTOR = ComponentKind.ACTOR
+COST = MigrationCostModel(model_params_b=7.0)
+
+
+def record(placement: Placement, duration_s: float, **fields: Any) -> IterationRecord:
+    values: dict[str, Any] = {
+        "iteration": 0,
+        "placement": placement,
+        "duration_s": duration_s,
+        "total_gpus": 64,
+        "rollout_body_s": 20.0,
+        "rollout_body_gpu_s": 20.0 * 48,
+        "rollout_tail_s": 0.0,
+        "rollout_tail_gpu_s": 0.0,
+        "pipeline_gpu_s": 2800.0,
+        "pipeline_overlap_gpu_s": 100.0,
+        "tokens": 1e6,
+    }
+    values.update(fields)
+    return IterationRecord(**values)
+
+
+def replanner() -> Replanner:
+    return Replanner(PlacementModel(COST, n_minibatches=8), margin=0.1)
+
+
+# -- the ledger ------------------------------------------------------------------------------
+
+
+def tick(
+    ledger: IterationLedger, now: float, *, idle: int, in_flight: int, actor_utilisation: float
+) -> None:
+    rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
+    actor = make_group("actor", ACTOR, 2, first_device=10)
+    graph = make_graph(rollout, actor)
+    signals: dict[str, GroupSignals] = {
+        "rollout": make_signals(rollout, idle=idle, in_flight=in_flight),
+        "actor": make_signals(actor, utilisation_mean=actor_utilisation, tokens_per_s=100.0),
+    }
+    ledger.observe(graph, signals, now)
+
+
+def test_the_ledger_splits_the_rollout_into_body_and_tail_and_integrates_the_pipeline() -> None:
+    ledger = IterationLedger(low_fraction_threshold=0.5)
+    tick(ledger, 0.0, idle=0, in_flight=40, actor_utilisation=0.0)  # starts the iteration
+    for t in (1.0, 2.0, 3.0):  # body: every engine busy
+        tick(ledger, t, idle=0, in_flight=40, actor_utilisation=0.5)
+    for t in (4.0, 5.0):  # tail: three of four engines drained
+        tick(ledger, t, idle=3, in_flight=2, actor_utilisation=1.0)
+    tick(ledger, 6.0, idle=4, in_flight=0, actor_utilisation=1.0)  # the rollout is done
+    closed = ledger.close(6.0, total_gpus=6, placement=Placement.DISAGGREGATED)
+    assert closed is not None
+    assert (closed.rollout_body_s, closed.rollout_tail_s) == (3.0, 2.0)
+    assert closed.rollout_body_gpu_s == 12.0 and closed.tail_gpus == 4.0
+    assert closed.pipeline_gpu_s == 2 * (3 * 0.5 + 3 * 1.0)
+    assert closed.pipeline_overlap_gpu_s == 2 * (3 * 0.5 + 2 * 1.0)
+    assert closed.tokens == 600.0 and closed.duration_s == 6.0
+    assert closed.tail_share == 0.4
+
+
+def test_a_ledger_that_saw_too_little_of_an_iteration_records_nothing() -> None:
+    ledger = IterationLedger(low_fraction_threshold=0.5)
+    tick(ledger, 0.0, idle=0, in_flight=40, actor_utilisation=0.0)
+    tick(ledger, 1.0, idle=0, in_flight=40, actor_utilisation=0.0)
+    assert ledger.close(2.0, total_gpus=6, placement=Placement.DISAGGREGATED) is None
+    # A gap (a restarted scheduler) is charged to nobody.
+    tick(ledger, 500.0, idle=0, in_flight=40, actor_utilisation=0.0)
+    assert ledger.sums["rollout_body_s"] == 1.0
+
+
+# -- the placement choice ---------------------------------------------------------------------
+
+
+def test_a_placement_never_run_must_beat_the_models_error_and_a_missed_trial_raises_it() -> None:
+    plan = replanner()
+    no_tail = record(Placement.DISAGGREGATED, 95.0)
+    plan.learn(no_tail)
+    choice = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
+    assert choice is not None and choice.placement is Placement.COLOCATED
+    assert "modelled" in choice.detail and f"needs {TRIAL_MARGIN_PRIOR:.0%}" in choice.detail
+    predicted = choice.predicted_s[Placement.COLOCATED]
+    # The trial took twice what was predicted: the next crossing into colocated needs that much.
+    plan.learn(record(Placement.COLOCATED, 2 * predicted, iteration=1))
+    assert plan.trial_margin(Placement.COLOCATED) == 0.5
+    # Colocated was measured slower than disaggregated: the job goes back on the measurement.
+    back = plan.choose(Placement.COLOCATED, 48, 64, allow_colocated=True)
+    assert back is not None and back.placement is Placement.DISAGGREGATED
+    assert "measured throughput" in back.detail
+
+
+def test_a_long_tail_keeps_the_job_disaggregated_and_an_asynchronous_one_never_colocates() -> None:
+    plan = replanner()
+    tail = record(
+        Placement.DISAGGREGATED,
+        230.0,
+        rollout_body_s=120.0,
+        rollout_body_gpu_s=120.0 * 48,
+        rollout_tail_s=80.0,
+        rollout_tail_gpu_s=80.0 * 8,
+        pipeline_gpu_s=6800.0,
+    )
+    plan.learn(tail)
+    choice = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
+    assert choice is not None and choice.placement is Placement.DISAGGREGATED
+    plan.learn(record(Placement.DISAGGREGATED, 95.0))
+    held = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=False)
+    assert held is not None and held.placement is Placement.DISAGGREGATED
+    assert "generates ahead" in held.detail
+
+
+def test_a_measurement_of_the_other_placement_goes_stale_when_the_tail_changes() -> None:
+    plan = replanner()
+    plan.learn(record(Placement.DISAGGREGATED, 95.0))
+    plan.learn(record(Placement.COLOCATED, 63.0, iteration=1))
+    stay = plan.choose(Placement.COLOCATED, 48, 64, allow_colocated=True)
+    assert stay is not None and stay.placement is Placement.COLOCATED
+    assert "measured throughput" in stay.detail
+    # The tail comes back: the colocated iteration's rollout is now mostly tail.
+    tail = record(
+        Placement.COLOCATED,
+        275.0,
+        iteration=2,
+        rollout_body_s=73.0,
+        rollout_body_gpu_s=73.0 * 64,
+        rollout_tail_s=85.0,
+        rollout_tail_gpu_s=85.0 * 64,
+        pipeline_gpu_s=7100.0,
+    )
+    plan.learn(tail)
+    back = plan.choose(Placement.COLOCATED, 48, 64, allow_colocated=True)
+    assert back is not None and back.placement is Placement.DISAGGREGATED
+    assert "modelled" in back.detail
+
+
+def reshaped(families: str, iterations: int) -> list[TraceRecord]:
+    """The generator's math-7B-64 episodes, each iteration's lengths from ``families``
+    (``L`` lognormal, as generated; ``U`` uniform, no tail)."""
+    workload = get_workload("math-7B-64")
+    base = generate_trace(workload, 0, iterations=iterations)
+    uniform = reshape(base, workload, LengthFamily.UNIFORM, 0)
+    per = workload.episodes_per_iteration
+    records: list[TraceRecord] = []
+    for i, family in enumerate(families):
+        source = base if family == "L" else uniform
+        records.extend(source[i * per : (i + 1) * per])
+    return records
+
+
+def test_a_job_whose_tail_disappears_converges_to_colocated_and_goes_back_when_it_returns() -> None:
+    workload = replace(get_workload("math-7B-64"), iterations=8)
+    result = simulate(
+        workload, "dynarl", records=reshaped("LLUUUULL", 8), options=SimOptions(iterations=8)
+    )
+    placements = "".join(p[0].upper() for p in result.placements)
+    # Long tails keep it disaggregated; within two iterations of the tail vanishing it
+    # time-shares every GPU, and within two of the tail returning it is disaggregated again.
+    assert placements[:2] == "DD"
+    assert placements[4:6] == "CC"
+    assert placements[-1] == "D"
+    first, back = result.placement_changes
+    assert (first.to, back.to) == ("colocated", "disaggregated")
+    assert "tail 0s" in first.why and "saves" in first.why
+    assert back.iteration >= 6
+
+
+def test_a_job_spec_that_stays_disaggregated_when_replanning_is_off() -> None:
+    workload = replace(get_workload("math-7B-64"), iterations=3)
+    result = simulate(
+        workload,
+        "dynarl",
+        records=reshaped("UUU", 3),
+        params={"replan": False},
+        options=SimOptions(iterations=3),
+    )
+    assert result.placements == ("disaggregated",) * 3 and not result.placement_changes
+
+
+def test_the_live_policy_records_a_placement_it_cannot_switch_to() -> None:
+    policy = policy_with()
+    policy.placement_changes_supported = False
+    policy.replanner.learn(record(Placement.DISAGGREGATED, 95.0))
+    assert policy._replan(job(), record(Placement.DISAGGREGATED, 95.0)) is None
+    assert policy.mode is Placement.DISAGGREGATED
+    assert "not carried out" in policy.replan_note and "colocated saves" in policy.replan_note
+
+
+# -- do no harm, per kind of move --------------------------------------------------------------
+
+
+def iteration_graph(iteration: int) -> Hypergraph:
+    return replace(job(), iteration=iteration)
+
+
+def test_a_move_kind_that_keeps_losing_stops_being_made_then_gets_a_fresh_trial() -> None:
+    policy = policy_with(probation_iterations=2)
+    made = []
+    for iteration in range(MIN_OUTCOMES + 2):
+        graph = iteration_graph(iteration)
+        start = 1000.0 * iteration
+        decisions = policy.decide(graph, drained(graph), [], now=start + 90.0)
+        made.append(bool(decisions))
+        ended = start + 120.0
+        if decisions:
+            # The iteration ends later than the pace model said it would have without the move.
+            ended = policy.outcomes.open[0].base_end + 60.0
+        policy.pending.refresh(iteration_graph(iteration + 1), ended, ())
+        policy.on_iteration_end(iteration_graph(iteration + 1), ended)
+    assert made[:MIN_OUTCOMES] == [True] * MIN_OUTCOMES
+    assert made[MIN_OUTCOMES] is False
+    suspended = [c.rejected_because or "" for c in policy.last_candidates]
+    assert any("lost time on this job" in why for why in suspended)
+    record_ = policy.outcomes.kinds["rollout>actor"]
+    assert record_.suspensions == 1 and record_.ratio < 0
+    # The probation ends: one fresh trial.
+    graph = iteration_graph(MIN_OUTCOMES + 2)
+    assert policy.decide(graph, drained(graph), [], now=1000.0 * (MIN_OUTCOMES + 2) + 90.0)
+    # The record survives the policy being rebuilt from its state, as the tick does.
+    again = policy_with(policy.state_to_json())
+    assert again.outcomes.kinds["rollout>actor"].suspensions == 1
+
+
+def test_a_kind_that_gains_less_than_predicted_is_trusted_less() -> None:
+    outcomes = MoveOutcomes(probation_iterations=3)
+    for iteration in range(MIN_OUTCOMES):
+        outcomes.opened("rollout>actor", predicted_gain_s=100.0, base_end=1000.0)
+        outcomes.settle(end=960.0, iteration=iteration)  # 40 s of the 100 predicted
+    trust, suspended = outcomes.trust("rollout>actor", iteration=MIN_OUTCOMES)
+    assert suspended is None and abs(trust - 0.4) < 1e-9
+    assert outcomes.trust("inference>actor", iteration=MIN_OUTCOMES) == (1.0, None)
+
+
+def test_the_moves_of_one_iteration_share_its_measured_outcome() -> None:
+    outcomes = MoveOutcomes(probation_iterations=3)
+    outcomes.opened("rollout>actor", predicted_gain_s=30.0, base_end=500.0)
+    outcomes.opened("inference>actor", predicted_gain_s=10.0, base_end=480.0)
+    outcomes.settle(end=480.0, iteration=0)  # 20 s gained of 40 predicted
+    assert {k: r.ratio for k, r in outcomes.kinds.items()} == {"rollout>actor": 0.5, "inference>actor": 0.5}
+    assert outcomes.open == []
+
+
+def test_a_re_planned_split_is_held_against_the_next_iteration() -> None:
+    policy = policy_with()
+    policy._rollout_base = 8
+    policy._rebase_open = ("rebase:actor>rollout", 20.0, 0.1)
+    policy.ledger.start(0, 0.0)
+    graph = job()
+    for now in (1.0, 2.0, 3.0, 4.0):
+        policy.ledger.observe(graph, drained(graph, idle=0), now)
+    policy._close_iteration(iteration_graph(1), 400.0)
+    kind = policy.outcomes.kinds["rebase:actor>rollout"]
+    assert kind.outcomes == 1 and kind.ratio < 0  # took far longer than its work at the old pace
+    assert policy._rebase_open is None
+    assert Reason.REPLAN_BASE_SPLIT.value == "replan_base_split"
