@@ -111,6 +111,8 @@ def run_tick(job_id: int) -> Tick | None:
             outcome = "no_change"
             for dropped in driver.dropped:
                 _record_dropped(job, dropped)
+            if driver.iteration_ended and policy.replan_note:
+                _record_replan(job, policy.replan_note)
             if decision is not None and _start(job, tick, decision, graph, signals):
                 decisions += 1
                 outcome = "decided"
@@ -234,6 +236,12 @@ def _record_dropped(job: Job, dropped: DroppedDecision) -> None:
         reason=f"{decision.detail} [dropped: {dropped.why}]",
         payload={"decision": decision.to_json(), "why": dropped.why},
     )
+
+
+def _record_replan(job: Job, note: str) -> None:
+    """What the policy measured of the iteration that ended and what it concluded for the next
+    (placement kept or recommended, base split), as one audit row per boundary."""
+    audit.record(Actor.scheduler(), "replan", job, job=job, reason=note, payload={"iteration": job.iteration})
 
 
 def _iterations_done(job: Job, signals: Mapping[str, GroupSignals]) -> bool:

@@ -57,9 +57,7 @@ def replanner() -> Replanner:
 # -- the ledger ------------------------------------------------------------------------------
 
 
-def tick(
-    ledger: IterationLedger, now: float, *, idle: int, in_flight: int, actor_utilisation: float
-) -> None:
+def tick(ledger: IterationLedger, now: float, *, idle: int, in_flight: int, actor_utilisation: float) -> None:
     rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
     actor = make_group("actor", ACTOR, 2, first_device=10)
     graph = make_graph(rollout, actor)
@@ -178,9 +176,7 @@ def reshaped(families: str, iterations: int) -> list[TraceRecord]:
 
 def test_a_job_whose_tail_disappears_converges_to_colocated_and_goes_back_when_it_returns() -> None:
     workload = replace(get_workload("math-7B-64"), iterations=8)
-    result = simulate(
-        workload, "dynarl", records=reshaped("LLUUUULL", 8), options=SimOptions(iterations=8)
-    )
+    result = simulate(workload, "dynarl", records=reshaped("LLUUUULL", 8), options=SimOptions(iterations=8))
     placements = "".join(p[0].upper() for p in result.placements)
     # Long tails keep it disaggregated; within two iterations of the tail vanishing it
     # time-shares every GPU, and within two of the tail returning it is disaggregated again.

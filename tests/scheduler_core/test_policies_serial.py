@@ -6,6 +6,8 @@ from typing import Any
 
 from scheduler.core.decisions import Decision, Reason
 from scheduler.core.hypergraph import Hypergraph
+from scheduler.core.policies import Placement
+from scheduler.core.policies.base import PLACEMENT_CHANGE_UNSUPPORTED
 from scheduler.core.policies.serial import SerialDriver
 from tests.scheduler_core.test_policies_dynarl import finished_stages, memory, policy_with
 from tests.scheduler_core.test_policies_fixtures import land, make_policy
@@ -112,3 +114,35 @@ def test_decisions_round_trip_through_json_exactly():
     [decision] = policy.decide(graph, signals, [], now=90.0)
     assert decision.chosen is not None and decision.candidates
     assert Decision.from_json(json.loads(json.dumps(decision.to_json()))) == decision
+
+
+def test_the_live_driver_keeps_the_placement_and_the_policy_says_what_it_would_have_chosen():
+    policy = policy_with(memory())
+    driver = SerialDriver(policy)
+    assert policy.placement_changes_supported is False
+    # What the ticks measured of iteration 0 (as a restored policy state holds it): a rollout
+    # with no tail and a pipeline doing most of the work, so colocated is predicted faster.
+    policy.clock.iteration = 0
+    policy.ledger.load(
+        {
+            "iteration": 0,
+            "started_at": 100.0,
+            "last_at": 199.0,
+            "ticks": 90,
+            "sums": {
+                "rollout_body_s": 20.0,
+                "rollout_body_gpu_s": 160.0,
+                "pipeline_gpu_s": 500.0,
+                "tokens": 1e6,
+            },
+            "rollout_gpus_max": 8,
+            "job_gpus_max": 12,
+        }
+    )
+    graph, signals = finished_stages()
+    driver.next_decision(replace(graph, iteration=1), signals, [], now=200.0)
+    assert driver.iteration_ended
+    assert policy.mode is Placement.DISAGGREGATED
+    assert "colocated saves" in policy.replan_note
+    assert f"[not carried out: {PLACEMENT_CHANGE_UNSUPPORTED}]" in policy.replan_note
+    assert policy.next_placement() is None

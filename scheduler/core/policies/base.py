@@ -22,6 +22,9 @@ from scheduler.core.policies.params import ParamSpec, ParamValue, resolve_params
 from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signals import GroupSignals
 
+# Why a caller without ``placement_changes_supported`` leaves a re-planned placement undone.
+PLACEMENT_CHANGE_UNSUPPORTED = "this control plane does not change a running job's placement"
+
 
 class Placement(StrEnum):
     """How the job's components share GPUs."""

@@ -9,7 +9,12 @@ from typing import Any, TypeVar
 
 from scheduler.core.decisions import Candidate, Decision, Prediction, Reason
 from scheduler.core.hypergraph import ComponentKind, Device, Hypergraph, HyperNode, MigrationStrategy, Worker
-from scheduler.core.policies.base import BasePolicy, Placement, PlacementChange
+from scheduler.core.policies.base import (
+    PLACEMENT_CHANGE_UNSUPPORTED,
+    BasePolicy,
+    Placement,
+    PlacementChange,
+)
 from scheduler.core.policies.moves import (
     PendingMove,
     ReturnMove,
@@ -451,10 +456,7 @@ class DynaRLPolicy(BasePolicy):
         if not choice.changes_from(self.mode):
             return None
         if not self.placement_changes_supported:
-            self.last_replan = (
-                f"{choice.detail} [not carried out: this control plane does not change a running "
-                f"job's placement]"
-            )
+            self.last_replan = f"{choice.detail} [not carried out: {PLACEMENT_CHANGE_UNSUPPORTED}]"
             return None
         return choice
 
@@ -482,7 +484,6 @@ class DynaRLPolicy(BasePolicy):
         if len(rollouts) != 1 or len(partners) != 1:
             return []
         rollout, partner = rollouts[0], partners[0]
-        step = math.lcm(rollout.parallelism.gpus_per_worker, partner.parallelism.gpus_per_worker)
         base = self._rollout_base
         model = self.replanner.model
         now_s = model.disaggregated_s(record, base)
@@ -490,22 +491,20 @@ class DynaRLPolicy(BasePolicy):
             return []
         returning = {d for decision in returns for d in decision.device_ids}
         margin = self.param_float("replan_margin")
-        best: tuple[float, Decision, str] | None = None
-        for donor, recipient, rollout_after in (
-            (rollout, partner, base - step),
-            (partner, rollout, base + step),
-        ):
+        best: tuple[float, Decision, str, int] | None = None
+        for donor, recipient, sign in ((rollout, partner, -1), (partner, rollout, 1)):
+            workers = self._smallest_shift(donor, recipient, returning)
+            if workers is None:
+                continue
+            devices = devices_of(workers)
+            rollout_after = base + sign * len(devices)
             if rollout_after <= 0 or rollout_after >= record.total_gpus:
                 continue
             saving = 1.0 - model.disaggregated_s(record, rollout_after) / now_s
             kind = f"rebase:{move_kind(donor, recipient)}"
             trust, suspended = self.outcomes.trust(kind, graph.iteration)
-            if suspended is not None or saving * trust < margin:
+            if suspended is not None or saving * trust < margin or (best is not None and saving <= best[0]):
                 continue
-            workers = self._whole_workers(donor, recipient, step, returning)
-            if workers is None or (best is not None and saving <= best[0]):
-                continue
-            devices = devices_of(workers)
             detail = (
                 f"iteration {record.iteration} measured rollout body {record.rollout_body_s:.0f}s, tail "
                 f"{record.rollout_tail_s:.0f}s, pipeline {record.pipeline_gpu_s:.0f} GPU-s: the rollout "
@@ -521,32 +520,41 @@ class DynaRLPolicy(BasePolicy):
                 device_ids=[d.id for d in devices],
                 at=now,
             )
-            best = (saving, decision, kind)
+            best = (saving, decision, kind, rollout_after)
         if best is None:
             return []
-        saving, decision, kind = best
-        self._rollout_base = base - step if decision.donor == rollout.id else base + step
+        saving, decision, kind, rollout_after = best
+        self._rollout_base = rollout_after
         self._rebase_open = (kind, saving * record.duration_s, record.duration_s / max(work(record), 1e-9))
         self.last_replan = f"{self.last_replan}; {decision.detail}" if self.last_replan else decision.detail
         return [decision]
 
     @staticmethod
-    def _whole_workers(
-        donor: HyperNode, recipient: HyperNode, gpus: int, excluded: set[str]
+    def _smallest_shift(
+        donor: HyperNode, recipient: HyperNode, excluded: set[str]
     ) -> tuple[Worker, ...] | None:
-        """Whole donor workers holding ``gpus`` GPUs on one node, none of them in ``excluded``,
-        that leave both groups at valid sizes; None when there are none."""
-        count = gpus // donor.parallelism.gpus_per_worker
-        if release_problem(donor, count) is not None:
-            return None
+        """The fewest whole donor workers, on one node and none of them holding a device in
+        ``excluded``, that leave both groups at valid sizes; None when no shift is valid."""
         by_node: dict[str, list[Worker]] = {}
         for worker in sorted(donor.workers, key=lambda w: (w.utilisation, w.id)):
             if not any(d.id in excluded for d in worker.devices):
                 by_node.setdefault(worker.node, []).append(worker)
-        for node_workers in by_node.values():
-            if len(node_workers) >= count:
+        per_worker = recipient.parallelism.gpus_per_worker
+        for count in range(1, len(donor.workers)):
+            if release_problem(donor, count) is not None:
+                continue
+            for node_workers in by_node.values():
                 chosen = tuple(node_workers[:count])
-                if receive_problem(recipient, devices_of(chosen)) is None:
+                gpus = sum(len(w.devices) for w in chosen)
+                if len(chosen) < count or gpus % per_worker:
+                    continue
+                after = len(recipient.workers) + gpus // per_worker
+                if recipient.max_workers is not None and after > recipient.max_workers:
+                    continue
+                if (
+                    recipient.is_valid_worker_count(after)
+                    and receive_problem(recipient, devices_of(chosen)) is None
+                ):
                     return chosen
         return None
 

@@ -392,7 +392,9 @@ class Replanner:
             f"{record.pipeline_gpu_s:.0f} GPU-s; {other} predicted {move:.0f}s ({basis})"
         )
         if other is Placement.COLOCATED and not allow_colocated:
-            return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead")
+            return PlacementChoice(
+                current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead"
+            )
         if move + switch < stay * (1.0 - margin):
             if not measured:
                 self.trial = (other, move)
@@ -403,7 +405,9 @@ class Replanner:
                 f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch "
                 f"(needs {margin:.0%})",
             )
-        return PlacementChoice(current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})")
+        return PlacementChoice(
+            current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

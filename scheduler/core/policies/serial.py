@@ -7,6 +7,10 @@ that returns loans at an iteration boundary (one decision per lender and borrowe
 rest in a queue that the caller persists between ticks, hands them out one per call, and calls
 ``on_iteration_end`` when the job's iteration has moved on since the policy last looked — even
 if a migration was in flight at the boundary.
+
+The live control plane moves GPUs between a job's groups but does not rebuild a running job in
+another placement (colocated or disaggregated), so the driver tells the policy so: a re-planning
+policy then records the placement it would pick (``replan_note``) and keeps the one it has.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import Device, Hypergraph
-from scheduler.core.policies.base import SchedulingPolicy
+from scheduler.core.policies.base import PLACEMENT_CHANGE_UNSUPPORTED, SchedulingPolicy
 from scheduler.core.signals import GroupSignals
 
 
@@ -34,6 +38,7 @@ class SerialDriver:
 
     def __init__(self, policy: SchedulingPolicy, queued: Sequence[Decision] = ()) -> None:
         self.policy = policy
+        policy.placement_changes_supported = False
         self.queued: list[Decision] = list(queued)
         self.dropped: list[DroppedDecision] = []  # by the last ``next_decision``
         self.iteration_ended = False  # whether the last ``next_decision`` called the hook
@@ -51,6 +56,9 @@ class SerialDriver:
         if self.iteration_ended:
             # The boundary's moves go first: they set up the next iteration's split.
             self.queued[:0] = self.policy.on_iteration_end(graph, now, signals)
+            change = self.policy.next_placement()
+            if change is not None:
+                self.policy.placement_refused(change, PLACEMENT_CHANGE_UNSUPPORTED)
         free = {d.id for d in free_devices}
         while self.queued:
             decision = self.queued.pop(0)
