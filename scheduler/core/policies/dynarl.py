@@ -28,7 +28,7 @@ from scheduler.core.policies.moves import (
     release_problem,
     valid_growth_steps,
 )
-from scheduler.core.policies.outcomes import MoveOutcomes, move_kind
+from scheduler.core.policies.outcomes import MoveOutcomes, OpenOutcome, move_kind
 from scheduler.core.policies.pace import PaceMemory, PaceModel, consolidation_slowdown, largest_valid_gpus
 from scheduler.core.policies.params import ParamSpec
 from scheduler.core.policies.replan import (
@@ -225,7 +225,6 @@ class DynaRLPolicy(BasePolicy):
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
         self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
         self._iteration = 0
-        self._raw_gains: dict[tuple[str, ...], tuple[str, float]] = {}
         self._low_since: dict[str, float] = {}
         self.memory = PaceMemory()
         self._rebalance_since: dict[str, float] = {}
@@ -305,8 +304,10 @@ class DynaRLPolicy(BasePolicy):
         busy = self.pending.busy_groups()
         model = self._model(graph, signals, now)
         self._recipient_cache = None
-        self._raw_gains = {}
         base = model.finish_s()
+        self.outcomes.settle(
+            now, {g: s.tokens_per_s for g, s in signals.items() if g not in busy}, graph.iteration
+        )
 
         considered: list[Candidate] = []
         under_way, leg = self._next_leg(graph, busy, now)
@@ -331,7 +332,7 @@ class DynaRLPolicy(BasePolicy):
         self.last_candidates = tuple(considered)
         if decision is None:
             return []
-        self._open_outcome(graph, signals, decision, base, now)
+        self._open_outcome(graph, signals, decision, now)
         self._probe_rollout(graph, signals, model, decision, now)
         if decision.reason is Reason.RETURN_BORROWED:
             assert decision.recipient is not None and decision.donor is not None
@@ -386,7 +387,7 @@ class DynaRLPolicy(BasePolicy):
         self._low_since.clear()
         self._plan = []
         self._iteration = graph.iteration
-        self.outcomes.settle(now, graph.iteration)
+        self.outcomes.drop_open()
         record = self._close_iteration(graph, now)
         choice = self._replan(graph, record)
         if choice is not None:
@@ -782,8 +783,6 @@ class DynaRLPolicy(BasePolicy):
             )
         first = legs[0].donor
         device_ids = tuple(d.id for leg in legs for d in leg.devices)
-        if math.isfinite(gain):
-            self._raw_gains[device_ids] = (kind, gain)
         return Candidate(
             donor=first.id if first else None,
             recipient=recipient.id,
@@ -795,28 +794,28 @@ class DynaRLPolicy(BasePolicy):
         )
 
     def _open_outcome(
-        self,
-        graph: Hypergraph,
-        signals: Mapping[str, GroupSignals],
-        decision: Decision,
-        base: float,
-        now: float,
+        self, graph: Hypergraph, signals: Mapping[str, GroupSignals], decision: Decision, now: float
     ) -> None:
-        """Remember what the chosen move was predicted to gain, to hold it against what it gains
-        once it has landed and a signal window has seen it (``MoveOutcomes``)."""
+        """Remember the recipient's throughput the chosen move was predicted to add, to hold it
+        against what a signal window measures once the move has landed (``MoveOutcomes``)."""
         chosen = decision.chosen
-        weighed = self._raw_gains.get(chosen.device_ids) if chosen is not None else None
-        # Before a previous batch is known the pace model rests on fallback rules: what its
-        # predictions then miss says nothing about the move.
-        if (
-            chosen is None
-            or weighed is None
-            or not math.isfinite(base)
-            or self.memory.previous_duration_s is None
-        ):
+        if chosen is None or chosen.prediction is None or decision.recipient is None:
             return
-        kind, gain = weighed
-        self.outcomes.opened(kind, gain, base)
+        recipient_sig = signals.get(decision.recipient)
+        if recipient_sig is None:
+            return
+        donor = graph.node(decision.donor) if decision.donor is not None else None
+        prediction = chosen.prediction
+        window = max((s.window_s for s in signals.values()), default=0.0)
+        self.outcomes.opened(
+            OpenOutcome(
+                kind=move_kind(donor, graph.node(decision.recipient)),
+                recipient=decision.recipient,
+                measured_before=recipient_sig.tokens_per_s,
+                predicted_rise=prediction.recipient_after - prediction.recipient_before,
+                measure_after=now + chosen.migration_cost_s + window,
+            )
+        )
 
     def _prediction(
         self,

@@ -1,13 +1,13 @@
 """Do no harm, move by move: what each kind of move was predicted to gain against what it gained.
 
-A move is weighed by the pace model: the job's predicted end of the iteration without it
-(``base_end``) against with it, net of its cost at the cost model's figures (which the control
-plane scales by the job's measured migration durations). When the iteration ends, the moves made
-in it are held against the measured end: together they gained ``base_end`` of the first of them
-minus the time the iteration really ended, against the sum of their predicted gains. The moves of
-one iteration act on the same end and cannot be told apart from it, so that ratio is credited to
-every kind of move (which kind of group gave to which) that acted in it. ``MoveOutcomes`` keeps
-each kind's smoothed ratio of gained to predicted:
+A move is chosen for the throughput the pace model predicts its recipient will reach with the
+GPUs (the predictor's rate at the new size, against the old). Once the move has landed and the
+telemetry has had a signal window to show the recipient at work with them, its measured
+throughput is held against that prediction: the move *gained* the measured rise over the
+predicted rise. This is the control plane's predictor error (``scheduler.services.
+predictor_errors``) taken to the level the policy decides on. Per kind of move (which kind of
+group gave to which; a re-planned base split is judged by its next iteration instead),
+``MoveOutcomes`` keeps the smoothed ratio of gained to predicted:
 
 - a kind whose moves gain less than predicted is trusted less: its candidates' predicted gains
   are scaled by the ratio before they face ``min_gain_ratio``;
@@ -15,8 +15,7 @@ each kind's smoothed ratio of gained to predicted:
   being made for ``probation_iterations`` iterations, then gets one fresh trial, since the job
   may have changed.
 
-The control plane's predictor-error rows compare each group's predicted throughput with the one
-measured after a move; this is the same idea at the level the policy decides on (the job's end).
+A move whose iteration ends before it could be measured leaves no outcome.
 """
 
 from __future__ import annotations
@@ -40,8 +39,10 @@ def move_kind(donor: HyperNode | None, recipient: HyperNode) -> str:
 @dataclass(frozen=True)
 class OpenOutcome:
     kind: str
-    predicted_gain_s: float
-    base_end: float  # the predicted end of the iteration without the move, when it was decided
+    recipient: str
+    measured_before: float  # the recipient's tokens/s when the move was decided
+    predicted_rise: float  # tokens/s the move was predicted to add to the recipient
+    measure_after: float  # when the move has landed and a signal window has seen it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,19 +63,24 @@ class MoveOutcomes:
         self.open: list[OpenOutcome] = []
         self.kinds: dict[str, KindRecord] = {}
 
-    def opened(self, kind: str, predicted_gain_s: float, base_end: float) -> None:
-        if predicted_gain_s > 0:
-            self.open.append(OpenOutcome(kind, predicted_gain_s, base_end))
+    def opened(self, outcome: OpenOutcome) -> None:
+        if outcome.predicted_rise > 0:
+            self.open.append(outcome)
 
-    def settle(self, end: float, iteration: int) -> None:
-        """The iteration ended at ``end``: hold its moves against it."""
-        if not self.open:
-            return
-        predicted = sum(o.predicted_gain_s for o in self.open)
-        gained = self.open[0].base_end - end
-        ratio = gained / predicted
-        for kind in sorted({o.kind for o in self.open}):
-            self.record(kind, ratio, iteration)
+    def settle(self, now: float, measured: Mapping[str, float], iteration: int) -> None:
+        """Hold the moves due at ``now`` against their recipients' ``measured`` tokens/s."""
+        still: list[OpenOutcome] = []
+        for outcome in self.open:
+            rate = measured.get(outcome.recipient)
+            if now < outcome.measure_after or rate is None:
+                still.append(outcome)
+                continue
+            self.record(outcome.kind, (rate - outcome.measured_before) / outcome.predicted_rise, iteration)
+        self.open = still
+
+    def drop_open(self) -> None:
+        """The iteration ended: moves not measured yet leave no outcome (their recipients' work
+        is over, so what they would show says nothing about the move)."""
         self.open = []
 
     def record(self, kind: str, ratio: float, iteration: int) -> None:
@@ -96,9 +102,9 @@ class MoveOutcomes:
         if record.suspended_until is not None:
             if iteration < record.suspended_until:
                 return 0.0, (
-                    f"{kind} moves lost time on this job (gained {record.ratio:.0%} of their "
-                    f"predicted gain over {record.outcomes}); not tried again before iteration "
-                    f"{record.suspended_until}"
+                    f"{kind} moves did not pay on this job (their recipients gained "
+                    f"{record.ratio:.0%} of the predicted throughput over {record.outcomes} moves); "
+                    f"not tried again before iteration {record.suspended_until}"
                 )
             # Probation is over: one fresh trial, judged on its own.
             self.kinds[kind] = KindRecord(suspensions=record.suspensions)
@@ -115,7 +121,13 @@ class MoveOutcomes:
 
     def load(self, data: Mapping[str, Any]) -> None:
         self.open = [
-            OpenOutcome(str(o["kind"]), float(o["predicted_gain_s"]), float(o["base_end"]))
+            OpenOutcome(
+                str(o["kind"]),
+                str(o["recipient"]),
+                float(o["measured_before"]),
+                float(o["predicted_rise"]),
+                float(o["measure_after"]),
+            )
             for o in data.get("open", [])
         ]
         self.kinds = {}
