@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.core.decisions import Reason
 from scheduler.core.policies import POLICY_NAMES
 from scheduler.core.sim.families import LengthFamily, families_for, reshape
 from scheduler.core.sim.runner import simulate
@@ -46,6 +47,8 @@ class Row:
     family: LengthFamily
     tokens_per_s: dict[str, float] = field(default_factory=dict)  # policy -> tokens/s
     errors: dict[str, str] = field(default_factory=dict)
+    placements: str = ""  # dynarl's placement per iteration: D(isaggregated) or C(olocated)
+    replans: list[str] = field(default_factory=list)  # dynarl's placement changes and re-planned splits
 
     @property
     def best_static(self) -> float | None:
@@ -65,6 +68,8 @@ class Row:
             "errors": self.errors,
             "best_static_tokens_per_s": self.best_static,
             "ratios": {p: self.ratio(p) for p in self.tokens_per_s},
+            "dynarl_placements": self.placements,
+            "dynarl_replans": self.replans,
         }
 
 
@@ -99,6 +104,15 @@ def run(
                 else:
                     row.tokens_per_s[policy] = result.tokens_per_s
                     status = f"{result.tokens_per_s:,.0f} tokens/s"
+                    if policy == SUBJECT:
+                        row.placements = "".join(p[0].upper() for p in result.placements)
+                        row.replans = [
+                            f"after iteration {c.iteration - 1}: {c.to} ({c.why})"
+                            for c in result.placement_changes
+                        ]
+                        rebased = result.moves_by_reason.get(Reason.REPLAN_BASE_SPLIT.value, 0)
+                        if rebased:
+                            row.replans.append(f"{rebased} re-planned base splits")
                 elapsed = time.perf_counter() - started
                 print(f"[{elapsed:6.1f}s] {name} {family} {policy}: {status}", file=log, flush=True)
             rows.append(row)
@@ -118,6 +132,18 @@ def render(rows: Sequence[Row], policies: Sequence[str]) -> str:
         shown = "n/a" if best is None else f"{best:,.0f}"
         lines.append(f"| {row.workload} | {row.family} | {shown} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def replans(rows: Sequence[Row]) -> list[str]:
+    """What dynarl re-planned on each trace: its placement per iteration and every change."""
+    lines = ["## What dynarl re-planned", "", "| workload | lengths | placement per iteration | changes |"]
+    lines.append("| --- | --- | --- | --- |")
+    for row in rows:
+        if not row.placements:
+            continue
+        changes = "; ".join(row.replans) if row.replans else "none"
+        lines.append(f"| {row.workload} | {row.family} | {row.placements} | {changes} |")
+    return lines
 
 
 def targets(rows: Sequence[Row]) -> list[str]:
@@ -189,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         print(render(rows, policies))
+        print()
+        print("\n".join(replans(rows)))
         print()
         print("\n".join(targets(rows)))
         print(

@@ -106,8 +106,10 @@ def test_the_robustness_program_prints_each_policy_against_the_best_static_place
         assert row["best_static_tokens_per_s"] == best
         assert max(row["ratios"][p] for p in ("static-colocated", "static-disaggregated")) == 1.0
         assert row["ratios"]["dynarl"] == row["tokens_per_s"]["dynarl"] / best
+        assert row["dynarl_placements"] == "D"  # one iteration, run under the spec's placement
     # The same run as tables, with dynarl's targets checked row by row.
     assert robustness.main(argv) == 0
     out = capsys.readouterr().out
     assert "| math-tiny | uniform |" in out and "| math-tiny | pareto |" in out
     assert "2 traces checked" in out
+    assert "## What dynarl re-planned" in out and "| math-tiny | uniform | D | none |" in out
