@@ -378,21 +378,40 @@ def test_borrowed_gpus_go_back_when_the_lender_is_the_bottleneck_again():
     assert policy.decide(graph, working, [], now=97.0) == []  # nothing left to return
 
 
-def test_a_finished_borrower_sends_a_synchronous_rollouts_gpus_home_before_the_next_batch():
+def finished_borrower(actor_queue: int) -> tuple[DynaRLPolicy, Hypergraph, dict[str, GroupSignals]]:
+    """The log-prob group has finished its share of a synchronous iteration with two GPUs the
+    rollout (done with its batch) lent it; the trainer has ``actor_queue`` mini-batches waiting."""
     graph = pipeline_job()
     policy = policy_with(cooldown_s=0.0)
     policy.loans.lend("rollout", "inference", ["n0-g0", "n0-g1"], at=10.0)
     graph = land(graph, [_decision_moving("rollout", "inference", ["n0-g0", "n0-g1"])])
     policy.memory.batch_done = True
+    busy = {"queue_length": actor_queue, "in_flight": 1} if actor_queue else {"busy": False}
     done = {
         "rollout": make_signals(graph.node("rollout"), idle=2, busy=False, progress=1.0),
         "inference": make_signals(graph.node("inference"), idle=4, progress=1.0),
-        "actor": make_signals(graph.node("actor"), queue_length=2, in_flight=1, progress=0.7),
+        "actor": make_signals(graph.node("actor"), progress=0.7, **busy),
     }
+    return policy, graph, done
+
+
+def test_a_finished_borrower_sends_a_synchronous_rollouts_gpus_home_before_the_next_batch():
+    policy, graph, done = finished_borrower(actor_queue=0)
     [home] = policy.decide(graph, done, [], now=100.0)
     assert home.reason is Reason.RETURN_BORROWED
     assert (home.donor, home.recipient) == ("inference", "rollout")
     assert set(home.device_ids) == {"n0-g0", "n0-g1"}
+
+
+def test_a_finished_borrower_passes_the_gpus_on_to_a_trainer_with_work_waiting():
+    # The next batch cannot start before the trainer is done: the GPUs serve it meanwhile,
+    # in one move instead of two (home, then from the rollout to the trainer).
+    policy, graph, done = finished_borrower(actor_queue=2)
+    [move] = policy.decide(graph, done, [], now=100.0)
+    assert move.reason is Reason.DONOR_LOW_UTILISATION
+    assert (move.donor, move.recipient) == ("inference", "actor")
+    assert {"n0-g0", "n0-g1"} & set(move.device_ids)
+    assert any(loan.borrower == "actor" and loan.lender == "rollout" for loan in policy.loans.loans)
 
 
 def test_a_borrower_with_work_left_keeps_the_gpus_until_iteration_end():

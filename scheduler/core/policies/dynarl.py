@@ -224,6 +224,7 @@ class DynaRLPolicy(BasePolicy):
         self._placement_choice: PlacementChoice | None = None  # for the caller to carry out
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
         self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
+        self._ever_ahead = False  # whether the rollout was ever seen generating ahead of the trainer
         self._iteration = 0
         self._low_since: dict[str, float] = {}
         self.memory = PaceMemory()
@@ -300,6 +301,7 @@ class DynaRLPolicy(BasePolicy):
             self.last_candidates = ()
             return []
         self.memory.observe(graph, signals, now)
+        self._ever_ahead = self._ever_ahead or self.memory.batches_ahead(graph.iteration) > 0
         self._track_triggers(graph, signals, now)
         busy = self.pending.busy_groups()
         model = self._model(graph, signals, now)
@@ -1183,6 +1185,14 @@ class DynaRLPolicy(BasePolicy):
                 continue
             if self._sustained_s(borrower_id, sig, now) + 1e-9 < self.param_float("sustain_s"):
                 continue
+            waiting = self._ranked_recipients(graph, signals, model, busy, now)
+            if not self._ever_ahead and any(
+                node.id not in (lender_id, borrower_id) and not node.is_dynamic for node in waiting
+            ):
+                # The trainer has work waiting for GPUs and the next batch cannot start before it
+                # is done (the rollout never generated ahead on this job): the borrower passes the
+                # GPUs on to it (``_best_shrink``) rather than sending them home to wait.
+                continue
             for move in self.loans.return_moves(graph, lender=lender_id, borrower=borrower_id):
                 if not movable_at_runtime(move.borrower):
                     continue
@@ -1326,6 +1336,7 @@ class DynaRLPolicy(BasePolicy):
             "rollout_base": self._rollout_base,
             "last_replan": self.last_replan,
             "rebase_open": list(self._rebase_open) if self._rebase_open is not None else None,
+            "ever_ahead": self._ever_ahead,
         }
 
     def load_state(self, data: Mapping[str, Any]) -> None:
@@ -1342,6 +1353,7 @@ class DynaRLPolicy(BasePolicy):
         base = data.get("rollout_base")
         self._rollout_base = None if base is None else int(base)
         self.last_replan = str(data.get("last_replan", ""))
+        self._ever_ahead = bool(data.get("ever_ahead", False))
         rebase = data.get("rebase_open")
         self._rebase_open = (str(rebase[0]), float(rebase[1]), float(rebase[2])) if rebase else None
 

@@ -6,8 +6,8 @@ GPUs to the bottleneck) is faster depends on the rollout's tail, and the tail ch
 learns (responses grow), a curriculum changes prompts, or a tool gets slower. So the policy
 measures each iteration (``IterationLedger``, from the same group signals every tick sees, live or
 simulated), and at the boundary predicts the next iteration under both placements
-(``PlacementModel``) and switches only when the other is predicted faster by a margin that also
-pays for the switch.
+(``PlacementModel``) and switches only when the other is predicted faster by a margin, and by
+more than the switch costs (it pays back within one iteration).
 
 What an iteration is made of (``IterationRecord``):
 
@@ -395,7 +395,10 @@ class Replanner:
             return PlacementChoice(
                 current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead"
             )
-        if move + switch < stay * (1.0 - margin):
+        # The saving must clear the margin (the prediction's noise) and pay the one-off switch
+        # back within the first iteration.
+        saving = stay - move
+        if saving > margin * stay and saving > switch:
             if not measured:
                 self.trial = (other, move)
             return PlacementChoice(
