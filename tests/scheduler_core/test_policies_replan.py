@@ -50,6 +50,29 @@ def record(placement: Placement, duration_s: float, **fields: Any) -> IterationR
     return IterationRecord(**values)
 
 
+def with_tail(
+    placement: Placement,
+    duration_s: float,
+    *,
+    body_s: float,
+    gpus: int,
+    tail_s: float,
+    tail_gpus: int,
+    iteration: int = 0,
+) -> IterationRecord:
+    """A long-tailed iteration: the rollout's body on ``gpus``, its tail on ``tail_gpus``."""
+    return record(
+        placement,
+        duration_s,
+        iteration=iteration,
+        rollout_body_s=body_s,
+        rollout_body_gpu_s=body_s * gpus,
+        rollout_tail_s=tail_s,
+        rollout_tail_gpu_s=tail_s * tail_gpus,
+        pipeline_gpu_s=7000.0,
+    )
+
+
 def replanner() -> Replanner:
     return Replanner(PlacementModel(COST, n_minibatches=8), margin=0.1)
 
@@ -118,16 +141,7 @@ def test_a_placement_never_run_must_beat_the_models_error_and_a_missed_trial_rai
 
 def test_a_long_tail_keeps_the_job_disaggregated_and_an_asynchronous_one_never_colocates() -> None:
     plan = replanner()
-    tail = record(
-        Placement.DISAGGREGATED,
-        230.0,
-        rollout_body_s=120.0,
-        rollout_body_gpu_s=120.0 * 48,
-        rollout_tail_s=80.0,
-        rollout_tail_gpu_s=80.0 * 8,
-        pipeline_gpu_s=6800.0,
-    )
-    plan.learn(tail)
+    plan.learn(with_tail(Placement.DISAGGREGATED, 230.0, body_s=120.0, gpus=48, tail_s=80.0, tail_gpus=8))
     choice = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
     assert choice is not None and choice.placement is Placement.DISAGGREGATED
     plan.learn(record(Placement.DISAGGREGATED, 95.0))
@@ -144,17 +158,9 @@ def test_a_measurement_of_the_other_placement_goes_stale_when_the_tail_changes()
     assert stay is not None and stay.placement is Placement.COLOCATED
     assert "measured throughput" in stay.detail
     # The tail comes back: the colocated iteration's rollout is now mostly tail.
-    tail = record(
-        Placement.COLOCATED,
-        275.0,
-        iteration=2,
-        rollout_body_s=73.0,
-        rollout_body_gpu_s=73.0 * 64,
-        rollout_tail_s=85.0,
-        rollout_tail_gpu_s=85.0 * 64,
-        pipeline_gpu_s=7100.0,
+    plan.learn(
+        with_tail(Placement.COLOCATED, 275.0, body_s=73.0, gpus=64, tail_s=85.0, tail_gpus=64, iteration=2)
     )
-    plan.learn(tail)
     back = plan.choose(Placement.COLOCATED, 48, 64, allow_colocated=True)
     assert back is not None and back.placement is Placement.DISAGGREGATED
     assert "modelled" in back.detail
