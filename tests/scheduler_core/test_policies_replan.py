@@ -301,3 +301,19 @@ def test_a_re_planned_split_is_held_against_the_next_iteration() -> None:
     assert kind.outcomes == 1 and kind.ratio < 0  # took far longer than its work at the old pace
     assert policy._rebase_open is None
     assert Reason.REPLAN_BASE_SPLIT.value == "replan_base_split"
+
+
+def test_a_job_placed_colocated_is_left_to_take_its_turns() -> None:
+    # Every GPU group on the same four devices: nothing is proposed (the planner would refuse
+    # any move of a time-shared GPU), and the policy knows the job runs colocated.
+    rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
+    actor = make_group("actor", ACTOR, 4, first_device=0, depends_on=("rollout",))
+    graph = make_graph(rollout, actor)
+    policy = policy_with()
+    assert policy.decide(graph, drained(graph), [], now=90.0) == []
+    assert policy.mode is Placement.COLOCATED
+    # Only some groups sharing devices is not a colocated placement.
+    partly = make_graph(rollout, actor, make_group("inference", ComponentKind.INFERENCE, 2, first_device=10))
+    fresh = policy_with()
+    fresh.decide(partly, drained(partly), [], now=90.0)
+    assert fresh.mode is Placement.DISAGGREGATED

@@ -223,9 +223,10 @@ def gpu_device_ids(graph: Hypergraph) -> set[str]:
 
 
 def time_shared(graph: Hypergraph) -> bool:
-    """Whether the job's GPU groups take turns on the same devices (a colocated placement)."""
-    held = sum(node.gpus for node in graph.nodes if node.kind in GPU_KINDS)
-    return held > len(gpu_device_ids(graph))
+    """Whether every GPU group of the job takes turns on the same devices (a colocated
+    placement). A job where only some groups share devices is not: its other groups may move."""
+    held = [frozenset(node.device_ids) for node in graph.nodes if node.kind in GPU_KINDS and node.gpus]
+    return len(held) > 1 and len(set(held)) == 1
 
 
 @dataclass(frozen=True)
