@@ -686,3 +686,38 @@ def test_a_pooled_move_survives_a_restart_of_the_policy_and_is_dropped_when_its_
     released = land(graph, [replace(second, recipient=None)])
     assert other.decide(released, signals, [], now=92.0) == []
     assert other.state_to_json()["plan"] == []
+
+
+def test_groups_done_with_a_synchronous_iteration_lend_without_sitting_out_the_trigger():
+    graph, signals = finished_stages()
+    # The rollout and log-prob groups finished two seconds ago: no window vouches for them yet.
+    short = {g: replace(s, window_s=2.0) if g != "actor" else s for g, s in signals.items()}
+    done = policy_with(memory(batch_done=True))
+    [first] = done.decide(graph, short, [], now=90.0)
+    assert first.recipient == "actor" and first.donor in ("rollout", "inference")
+    # While the rollout still decodes its last requests, more samples may reach the log-prob
+    # group: a two-second lull is sat out (``sustain_s``).
+    tail = dict(short, rollout=replace(short["rollout"], in_flight=2, progress=0.98, busy=True))
+    lull = policy_with(memory(batch_done=False))
+    assert lull.decide(graph, tail, [], now=90.0) == []
+
+
+def test_gpus_lent_by_a_group_left_without_workers_go_home_in_the_next_iteration():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    graph = land(graph, [first])
+    [second] = policy.decide(graph, signals, [], now=92.0)
+    # The iteration ends before the second leg lands: its loan is still in transit at the
+    # boundary, so the iteration-end returns cannot send it home.
+    nxt = replace(graph, iteration=1)
+    back = policy.on_iteration_end(nxt, now=93.0)
+    assert second.donor not in {d.recipient for d in back}
+    landed = land(nxt, [second, *back])
+    emptied = second.donor
+    assert emptied is not None and not landed.node(emptied).workers
+    # Once it has landed, the next tick sends it home: the group has work in this iteration.
+    working = {g: replace(s, progress=0.0) for g, s in signals.items()}
+    [home] = policy.decide(landed, working, [], now=140.0)
+    assert home.reason is Reason.RETURN_BORROWED and home.recipient == emptied
+    assert set(home.device_ids) == set(second.device_ids)

@@ -23,6 +23,7 @@ from scheduler.core.policies.moves import (
     make_decision,
     migration_cost_s,
     movable_at_runtime,
+    movable_between_iterations,
     pick_free_devices,
     receive_problem,
     release_problem,
@@ -320,7 +321,9 @@ class DynaRLPolicy(BasePolicy):
             if leg.donor is not None and leg.recipient is not None:
                 self.loans.pass_on(leg.donor, leg.recipient, leg.device_ids, now)
             return self._issued([leg], now)
-        decision = self._home_before_next_batch(graph, signals, model, busy, now)
+        decision = self._home_to_an_empty_lender(graph, busy, now)
+        if decision is None:
+            decision = self._home_before_next_batch(graph, signals, model, busy, now)
         if decision is None:
             decision = self._best_return(graph, signals, model, base, busy, now)
         if decision is None:
@@ -625,12 +628,31 @@ class DynaRLPolicy(BasePolicy):
                 continue
             if not movable_at_runtime(node) or not self.cooldowns.ready(node.id, now):
                 continue
-            if self._sustained_s(node.id, sig, now) + 1e-9 < self.param_float("sustain_s"):
+            if self._sustained_s(node.id, sig, now) + 1e-9 < self.param_float(
+                "sustain_s"
+            ) and not self._done_for_the_iteration(graph, signals, node, sig):
                 continue
             donors.append(node)
         # Algorithm 1's dynamic donors first, then idle static groups; the most drained first.
         donors.sort(key=lambda n: (not n.is_dynamic, -signals[n.id].low_utilisation_fraction, n.id))
         return donors
+
+    def _done_for_the_iteration(
+        self, graph: Hypergraph, signals: Mapping[str, GroupSignals], node: HyperNode, sig: GroupSignals
+    ) -> bool:
+        """Whether a dynamic group has finished its share of a synchronous iteration on a job
+        whose rollout never generated ahead, and the rollout has nothing left either: no new
+        work can reach it before the iteration ends, so its idleness is no dip to sit out (the
+        trigger's ``sustain_s`` is for those)."""
+        if not node.is_dynamic or self._ever_ahead or not self.memory.batch_done:
+            return False
+        if sig.progress < 1.0 or sig.in_flight or sig.queue_length:
+            return False
+        for rollout in graph.by_kind(ComponentKind.ROLLOUT):
+            rollout_sig = signals.get(rollout.id)
+            if rollout_sig is None or rollout_sig.in_flight or rollout_sig.queue_length:
+                return False
+        return True
 
     def _recipients(
         self,
@@ -1161,6 +1183,34 @@ class DynaRLPolicy(BasePolicy):
             f"{share} for {self._sustained_s(chosen.donor, sig, now):.0f}s: "
             f"{len(chosen.device_ids)} GPUs to {chosen.recipient}{predicted}"
         )
+
+    def _home_to_an_empty_lender(self, graph: Hypergraph, busy: set[str], now: float) -> Decision | None:
+        """GPUs lent in an earlier iteration by a group left without workers go home as soon as
+        the borrower holds them: the iteration-end returns skip a loan still in transit at the
+        boundary, and a group without workers shows no queue for a return to answer."""
+        for loan in sorted(self.loans.loans, key=lambda item: (item.lender, item.borrower)):
+            if loan.at >= self.clock.started_at or loan.lender in busy or loan.borrower in busy:
+                continue
+            try:
+                lender = graph.node(loan.lender)
+            except KeyError:
+                continue
+            if lender.workers:
+                continue
+            for move in self.loans.return_moves(graph, lender=loan.lender, borrower=loan.borrower):
+                if not movable_between_iterations(move.borrower):
+                    continue
+                return make_decision(
+                    self.name,
+                    Reason.RETURN_BORROWED,
+                    f"{loan.lender} has no worker left in iteration {graph.iteration}: {loan.borrower} "
+                    f"returns {len(move.devices)} GPUs it borrowed in an earlier iteration",
+                    donor=move.borrower,
+                    recipient=move.lender,
+                    device_ids=[d.id for d in move.devices],
+                    at=now,
+                )
+        return None
 
     def _home_before_next_batch(
         self,

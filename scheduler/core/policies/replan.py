@@ -13,8 +13,8 @@ What an iteration is made of (``IterationRecord``):
 
 - the rollout's **body**: the time its engines are mostly busy, as GPU-seconds. It scales with
   the GPUs generating: on ``g`` GPUs it takes ``body_gpu_s / g``;
-- the rollout's **tail**: the time most of its engines are drained (under ``u_low``) while the
-  last requests decode. It does not shrink with more GPUs: a straggler decodes one token per
+- the rollout's **tail**: the time most of its engines are drained (under ``u_low``), or most of
+  its GPUs already lent away, while the last requests decode. It does not shrink with more GPUs: a straggler decodes one token per
   step whatever the engine count;
 - the **pipeline**: GPU-seconds the log-prob and trainer groups were busy (their utilisation
   times their GPUs), and how much of it overlapped the rollout.
@@ -151,7 +151,11 @@ class IterationLedger:
         self.rollout_gpus_max = max(self.rollout_gpus_max, rollout_gpus)
         self.job_gpus_max = max(self.job_gpus_max, len(gpu_device_ids(graph)))
         if generating:
-            drained = rollout_workers > 0 and drained_workers / rollout_workers > self.threshold
+            # The tail: most engines drained, or most of them already lent away (the stragglers
+            # consolidated on the few left keep those busy, but that is still the tail).
+            drained = (
+                rollout_workers > 0 and drained_workers / rollout_workers > self.threshold
+            ) or 2 * rollout_gpus < self.rollout_gpus_max
             phase = "tail" if drained else "body"
             self.sums[f"rollout_{phase}_s"] += dt
             self.sums[f"rollout_{phase}_gpu_s"] += rollout_gpus * dt
@@ -244,11 +248,12 @@ class PlacementModel:
         )
 
     def colocated_s(self, record: IterationRecord) -> float:
-        """The stages in turn on all GPUs. The rollout's body spreads over every engine; its
-        tail does not shrink, and no rollout is shorter than its longest request, which in a
-        synchronous iteration ran from the rollout's start to its end wherever it was measured
-        (consolidated stragglers on a disaggregated rollout may keep its engines busy through
-        the tail, so the tail alone would understate it)."""
+        """The stages in turn on all GPUs: the rollout's body spread over every engine, its
+        tail as long as it was (a straggler decodes one token a step on any number of GPUs),
+        the pipeline over every GPU, and two stage switches. No rollout is taken to be shorter
+        than the one measured: its longest episode ran from its start to its end, and more
+        engines do not shorten the parts of it that wait (tool calls, turns) or decode alone.
+        That errs towards the placement the job has, which is the no-harm side."""
         n = max(1, record.total_gpus)
         rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, record.rollout_s)
         return rollout + record.pipeline_gpu_s / n + self.stage_switches_s(n)
