@@ -196,21 +196,28 @@ class BasePolicy:
                 continue
             if worth is not None and not worth(move):
                 continue
-            device_ids = [d.id for d in move.devices]
             decisions.append(
-                make_decision(
-                    self.name,
-                    Reason.RETURN_BORROWED,
-                    f"iteration {graph.iteration} ended: {move.borrower.id} returns {len(device_ids)} "
+                self._return_decision(
+                    move,
+                    f"iteration {graph.iteration} ended: {move.borrower.id} returns {len(move.devices)} "
                     f"borrowed GPUs to {move.lender.id}",
-                    donor=move.borrower,
-                    recipient=move.lender,
-                    device_ids=device_ids,
-                    at=now,
+                    now,
                 )
             )
-            self.loans.settle(move.lender.id, move.borrower.id, device_ids)
+            self.loans.settle(move.lender.id, move.borrower.id, [d.id for d in move.devices])
         return decisions
+
+    def _return_decision(self, move: ReturnMove, detail: str, now: float) -> Decision:
+        """``move``'s borrowed GPUs back to their lender."""
+        return make_decision(
+            self.name,
+            Reason.RETURN_BORROWED,
+            detail,
+            donor=move.borrower,
+            recipient=move.lender,
+            device_ids=[d.id for d in move.devices],
+            at=now,
+        )
 
     def state_to_json(self) -> dict[str, Any]:
         return {

@@ -1200,15 +1200,11 @@ class DynaRLPolicy(BasePolicy):
             for move in self.loans.return_moves(graph, lender=loan.lender, borrower=loan.borrower):
                 if not movable_between_iterations(move.borrower):
                     continue
-                return make_decision(
-                    self.name,
-                    Reason.RETURN_BORROWED,
+                return self._return_decision(
+                    move,
                     f"{loan.lender} has no worker left in iteration {graph.iteration}: {loan.borrower} "
                     f"returns {len(move.devices)} GPUs it borrowed in an earlier iteration",
-                    donor=move.borrower,
-                    recipient=move.lender,
-                    device_ids=[d.id for d in move.devices],
-                    at=now,
+                    now,
                 )
         return None
 
@@ -1246,15 +1242,11 @@ class DynaRLPolicy(BasePolicy):
             for move in self.loans.return_moves(graph, lender=lender_id, borrower=borrower_id):
                 if not movable_at_runtime(move.borrower):
                     continue
-                return make_decision(
-                    self.name,
-                    Reason.RETURN_BORROWED,
+                return self._return_decision(
+                    move,
                     f"{lender_id} finished its batch and {borrower_id} is idle: {len(move.devices)} "
                     f"borrowed GPUs go home before the next batch",
-                    donor=move.borrower,
-                    recipient=move.lender,
-                    device_ids=[d.id for d in move.devices],
-                    at=now,
+                    now,
                 )
         return None
 
