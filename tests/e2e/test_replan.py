@@ -57,6 +57,9 @@ def test_a_rollout_starved_by_the_spec_gets_a_larger_base_split_at_an_iteration_
     assert first is not None
     assert (first.donor, first.recipient) == ("actor", "rollout")
     assert "measured rollout body" in first.detail and "instead of 2" in first.detail
+    # Like every move, it carries its prediction, for the predictor error to hold it to account.
+    prediction = (first.chosen.get("chosen") or {}).get("prediction")
+    assert prediction and prediction["job_after"] > prediction["job_before"]
     migration = Migration.objects.get(decision=first)
     assert migration.state == MigrationState.COMMITTED
     # It was decided at a boundary: the iteration counter had just moved on.

@@ -517,6 +517,7 @@ class DynaRLPolicy(BasePolicy):
                 f"starts the next with {rollout_after} GPUs instead of {base} "
                 f"(predicted {saving:.0%} faster): {len(devices)} GPUs of {donor.id} to {recipient.id}"
             )
+            candidate = self._rebase_candidate(record, donor, recipient, devices, saving)
             decision = make_decision(
                 self.name,
                 Reason.REPLAN_BASE_SPLIT,
@@ -525,6 +526,8 @@ class DynaRLPolicy(BasePolicy):
                 recipient=recipient,
                 device_ids=[d.id for d in devices],
                 at=now,
+                chosen=candidate,
+                candidates=[candidate],
             )
             best = (saving, decision, kind, rollout_after)
         if best is None:
@@ -534,6 +537,42 @@ class DynaRLPolicy(BasePolicy):
         self._rebase_open = (kind, saving * record.duration_s, record.duration_s / max(work(record), 1e-9))
         self.last_replan = f"{self.last_replan}; {decision.detail}" if self.last_replan else decision.detail
         return [decision]
+
+    def _rebase_candidate(
+        self,
+        record: IterationRecord,
+        donor: HyperNode,
+        recipient: HyperNode,
+        devices: Sequence[Device],
+        saving: float,
+    ) -> Candidate:
+        """A re-planned split as the decision trail shows every move: the groups' throughputs
+        before and after from the predictor, the job's from the iteration's measured tokens over
+        its measured duration and over the duration the placement model predicts after the
+        shift (so the control plane's predictor error holds it to account like any move)."""
+        gpus = len(devices)
+
+        def rate(node: HyperNode, held: int) -> float:
+            return self.predictor.predict(node.id, node.kind, max(0, held))
+
+        before = record.tokens / record.duration_s if record.duration_s > 0 else 0.0
+        after = before / (1.0 - saving) if saving < 1.0 else before
+        prediction = Prediction(
+            donor_before=rate(donor, donor.gpus),
+            donor_after=rate(donor, donor.gpus - gpus),
+            recipient_before=rate(recipient, recipient.gpus),
+            recipient_after=rate(recipient, recipient.gpus + gpus),
+            job_before=before,
+            job_after=after,
+        )
+        return Candidate(
+            donor=donor.id,
+            recipient=recipient.id,
+            device_ids=tuple(d.id for d in devices),
+            prediction=prediction,
+            migration_cost_s=migration_cost_s(self.cost_model, donor, recipient, gpus),
+            score=saving * record.duration_s,
+        )
 
     @staticmethod
     def _smallest_shift(
