@@ -52,7 +52,6 @@ class OpenOutcome:
 class KindRecord:
     outcomes: int = 0
     ratio: float = 1.0  # smoothed gained / predicted
-    losing: int = 0  # outcomes in a row that lost time
     suspended_until: int | None = None  # iteration from which the kind may be tried again
     suspensions: int = 0
 
@@ -89,7 +88,6 @@ class MoveOutcomes:
         record = self.kinds.setdefault(kind, KindRecord())
         record.ratio = ratio if record.outcomes == 0 else SMOOTHING * ratio + (1 - SMOOTHING) * record.ratio
         record.outcomes += 1
-        record.losing = record.losing + 1 if ratio <= 0 else 0
         if record.outcomes >= MIN_OUTCOMES and record.ratio <= 0:
             record.suspended_until = iteration + self.probation
             record.suspensions += 1
@@ -136,7 +134,6 @@ class MoveOutcomes:
             self.kinds[str(kind)] = KindRecord(
                 outcomes=int(record.get("outcomes", 0)),
                 ratio=float(record.get("ratio", 1.0)),
-                losing=int(record.get("losing", 0)),
                 suspended_until=None if until is None else int(until),
                 suspensions=int(record.get("suspensions", 0)),
             )

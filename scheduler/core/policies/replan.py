@@ -111,6 +111,9 @@ class IterationLedger:
         self.iteration: int | None = None
         self.started_at = 0.0
         self.last_at: float | None = None
+        self._clear()
+
+    def _clear(self) -> None:
         self.ticks = 0
         self.sums: dict[str, float] = dict.fromkeys(_SUMS, 0.0)
         self.rollout_gpus_max = 0  # the most GPUs the rollout held this iteration
@@ -120,10 +123,7 @@ class IterationLedger:
         self.iteration = iteration
         self.started_at = now
         self.last_at = now
-        self.ticks = 0
-        self.sums = dict.fromkeys(_SUMS, 0.0)
-        self.rollout_gpus_max = 0
-        self.job_gpus_max = 0
+        self._clear()
 
     def observe(self, graph: Hypergraph, signals: Mapping[str, GroupSignals], now: float) -> None:
         if self.iteration != graph.iteration:
