@@ -1,0 +1,383 @@
+"""EngineClient: the one client of a rollout engine, whether a real SGLang server or the CPU engine.
+
+Synchronous (httpx), thread-safe (one connection pool, any number of threads calling at once),
+typed: every route has a method, every answer a small dataclass or a plain value, every failure
+an :class:`EngineError` naming the route, the HTTP status and the server's message.
+
+Request ids: SGLang aborts by *prefix* — ``/abort_request`` with rid ``r`` (when ``r`` is in
+flight) aborts every request whose rid starts with ``r`` — so rids given to one engine must never
+be prefixes of each other. ``make_rid`` builds rids that cannot be: fixed-width fields and a
+terminating ``.``. (A batch sent with one string rid gets SGLang's ``{rid}_{i}`` expansion, where
+``x_1`` is a prefix of ``x_10``; pass a list of rids instead.)
+
+Older servers: ``server_info`` and ``loads`` fall back to ``/get_server_info`` and ``/get_load``
+when the newer ``/server_info`` and ``/v1/loads`` answer 404.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineError(RuntimeError):
+    """A route answered with an error status, or could not be reached."""
+
+    def __init__(self, route: str, status: int | None, message: str) -> None:
+        self.route = route
+        self.status = status
+        self.message = message
+        where = f"HTTP {status}" if status is not None else "unreachable"
+        super().__init__(f"{route}: {where}: {message}")
+
+
+def make_rid(job: str, iteration: int, sample: int, attempt: int = 0) -> str:
+    """A request id that no other id from this function is a prefix of (see the module docstring)."""
+    if "." in job:
+        raise ValueError(f"job name {job!r} must not contain '.'")
+    return f"{job}-i{iteration:06d}-s{sample:06d}-a{attempt:03d}."
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One ``/generate`` answer, with SGLang's ``meta_info`` parsed."""
+
+    rid: str
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    output_logprobs: list[float]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str | None
+    weight_versions: list[dict[str, Any]]
+    meta_info: dict[str, Any] = field(repr=False)
+
+    @property
+    def finish_type(self) -> str:
+        """'stop', 'length' or 'abort'."""
+        return str(self.finish_reason.get("type", ""))
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_type == "abort"
+
+    def token_weight_versions(self) -> list[str | None]:
+        """The weight version each output token was generated under (None where the server did
+        not say: a server without per-token spans reports one version for the request)."""
+        versions: list[str | None] = [None] * len(self.output_ids)
+        if not self.weight_versions:
+            return [self.weight_version] * len(self.output_ids)
+        for span in self.weight_versions:
+            for index in range(int(span["start"]), min(int(span["end"]), len(versions))):
+                versions[index] = str(span["version"])
+        return versions
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> GenerateResult:
+        meta = payload.get("meta_info") or {}
+        output_ids = [int(token) for token in payload.get("output_ids") or []]
+        logprob_rows = meta.get("output_token_logprobs") or []
+        version = meta.get("weight_version")
+        return cls(
+            rid=str(meta.get("id", "")),
+            output_ids=output_ids,
+            finish_reason=dict(meta.get("finish_reason") or {}),
+            output_logprobs=[float(row[0]) for row in logprob_rows],
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            weight_version=None if version is None else str(version),
+            weight_versions=list(meta.get("weight_versions") or []),
+            meta_info=meta,
+        )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What ``/v1/loads`` (or the older ``/get_load``) says, summed over data-parallel ranks."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    max_running_requests: int | None
+    gen_throughput: float | None
+    utilization: float | None
+    raw: dict[str, Any] | list[Any] = field(repr=False)
+    from_old_route: bool = False
+
+
+@dataclass(frozen=True)
+class WeightUpdateResult:
+    success: bool
+    message: str
+
+
+class EngineClient:
+    """Typed client of SGLang's HTTP control protocol."""
+
+    def __init__(self, base_url: str, timeout_s: float = 30.0, generate_timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transport
+
+    def _request(
+        self,
+        method: str,
+        route: str,
+        body: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        accept: tuple[int, ...] = (200,),
+    ) -> httpx.Response:
+        try:
+            response = self._http.request(
+                method, route, json=body, timeout=timeout_s if timeout_s is not None else self.timeout_s
+            )
+        except httpx.TimeoutException as error:
+            raise EngineError(
+                route, None, f"no answer within {timeout_s or self.timeout_s} s ({error})"
+            ) from error
+        except httpx.HTTPError as error:
+            raise EngineError(route, None, f"{type(error).__name__}: {error}") from error
+        if response.status_code not in accept:
+            raise EngineError(route, response.status_code, _error_message(response))
+        return response
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any] | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+            "stream": False,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        response = self._request("POST", "/generate", body, timeout_s or self.generate_timeout_s)
+        return GenerateResult.from_json(response.json())
+
+    def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        rids: list[str] | None = None,
+        return_logprob: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[GenerateResult]:
+        """One ``/generate`` call for many prompts; results in the order of ``input_ids``."""
+        if not input_ids:
+            return []
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+            "stream": False,
+        }
+        if rids is not None:
+            body["rid"] = rids
+        response = self._request("POST", "/generate", body, timeout_s or self.generate_timeout_s)
+        payload = response.json()
+        if not isinstance(payload, list):
+            raise EngineError("/generate", response.status_code, "a batch answer must be a list")
+        return [GenerateResult.from_json(item) for item in payload]
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort ``rid`` and every request whose rid starts with it (SGLang's prefix rule; a rid
+        that is not in flight aborts nothing), or everything with ``abort_all``."""
+        self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        self._request("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._request("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> bool:
+        """True when flushed; False when the server declined (requests in flight)."""
+        response = self._request("POST", "/flush_cache", accept=(200, 400))
+        return response.status_code == 200
+
+    # ------------------------------------------------------------------ weights
+
+    def _weight_call(self, route: str, body: dict[str, Any], timeout_s: float | None) -> WeightUpdateResult:
+        response = self._request("POST", route, body, timeout_s, accept=(200, 400))
+        payload = response.json()
+        result = WeightUpdateResult(bool(payload.get("success")), str(payload.get("message", "")))
+        if not result.success:
+            raise EngineError(route, response.status_code, result.message)
+        return result
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._weight_call("/update_weights_from_disk", body, timeout_s or self.generate_timeout_s)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        """Blocks until every rank (the trainer is rank 0) has joined the group."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self._weight_call("/init_weights_update_group", body, timeout_s or self.generate_timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> WeightUpdateResult:
+        return self._weight_call("/destroy_weights_update_group", {"group_name": group_name}, None)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        """Returns once the engine received the broadcasts rank 0 makes meanwhile, in ``names`` order."""
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._weight_call(
+            "/update_weights_from_distributed", body, timeout_s or self.generate_timeout_s
+        )
+
+    # ------------------------------------------------------------------ memory
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._request("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._request("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    # ------------------------------------------------------------------ state
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=self.timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def health_generate(self) -> bool:
+        try:
+            return self._http.get("/health_generate", timeout=self.timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_until_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.2) -> None:
+        """Poll ``/health`` (a server that is starting has nothing to wait on but its port)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() > deadline:
+                raise EngineError("/health", None, f"not healthy within {timeout_s} s at {self.base_url}")
+            time.sleep(interval_s)
+
+    def server_info(self) -> dict[str, Any]:
+        response = self._request("GET", "/server_info", accept=(200, 404))
+        if response.status_code == 404:
+            response = self._request("GET", "/get_server_info")
+        info: dict[str, Any] = response.json()
+        return info
+
+    def weight_version(self) -> str:
+        return str(self.server_info().get("weight_version"))
+
+    def loads(self) -> EngineLoad:
+        response = self._request("GET", "/v1/loads", accept=(200, 404))
+        if response.status_code == 404:
+            old: list[dict[str, Any]] = self._request("GET", "/get_load").json()
+            waiting = sum(int(rank.get("num_waiting_reqs", 0)) for rank in old)
+            return EngineLoad(
+                num_running_reqs=sum(int(rank.get("num_reqs", 0)) for rank in old) - waiting,
+                num_waiting_reqs=waiting,
+                max_running_requests=None,
+                gen_throughput=None,
+                utilization=None,
+                raw=old,
+                from_old_route=True,
+            )
+        payload: dict[str, Any] = response.json()
+        ranks: list[dict[str, Any]] = payload.get("loads") or []
+        limits = [
+            int(rank["max_running_requests"])
+            for rank in ranks
+            if rank.get("max_running_requests") is not None
+        ]
+        throughputs = [
+            float(rank["gen_throughput"]) for rank in ranks if rank.get("gen_throughput") is not None
+        ]
+        utilizations = [float(rank["utilization"]) for rank in ranks if rank.get("utilization") is not None]
+        return EngineLoad(
+            num_running_reqs=sum(int(rank.get("num_running_reqs", 0)) for rank in ranks),
+            num_waiting_reqs=sum(int(rank.get("num_waiting_reqs", 0)) for rank in ranks),
+            # A total only when every rank reported its part.
+            max_running_requests=sum(limits) if ranks and len(limits) == len(ranks) else None,
+            gen_throughput=sum(throughputs) if ranks and len(throughputs) == len(ranks) else None,
+            utilization=sum(utilizations) / len(utilizations) if utilizations else None,
+            raw=payload,
+        )
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own words: SGLang answers {"error": {"message"}}, {"message"} or plain text."""
+    try:
+        payload = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if key in payload:
+                return str(payload[key])
+    return str(payload)
