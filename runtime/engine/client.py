@@ -221,6 +221,10 @@ class EngineClient:
         response = self._request("POST", "/flush_cache", accept=(200, 400))
         return response.status_code == 200
 
+    def slow_down(self, forward_sleep_time: float | None) -> None:
+        """SGLang's testing aid: sleep this long after every forward step (None: stop)."""
+        self._request("POST", "/slow_down", {"forward_sleep_time": forward_sleep_time})
+
     # ------------------------------------------------------------------ weights
 
     def _weight_call(self, route: str, body: dict[str, Any], timeout_s: float | None) -> WeightUpdateResult:

@@ -505,6 +505,11 @@ class CpuEngine:
             return self._weight_version
 
     @property
+    def model(self) -> GPT:
+        """The served model (owned by the scheduler thread: read it, do not change it)."""
+        return self._model
+
+    @property
     def model_path(self) -> str:
         with self._lock:
             return self._model_path

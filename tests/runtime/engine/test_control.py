@@ -18,7 +18,7 @@ STEP_SLEEP_S = 0.01
 
 def start_slow(serve: Callable[..., Served], **settings: object) -> Served:
     served = serve(**settings)
-    served.client._request("POST", "/slow_down", {"forward_sleep_time": STEP_SLEEP_S})
+    served.client.slow_down(STEP_SLEEP_S)
     return served
 
 
