@@ -1,0 +1,1 @@
+"""The synthetic task a real job learns: its tokenizer, problem generator and reward."""
