@@ -23,7 +23,16 @@ from django.utils import timezone
 log = logging.getLogger(__name__)
 
 EVENT_TYPES = frozenset(
-    {"job.state", "snapshot", "decision", "migration", "migration.step", "telemetry", "alert"}
+    {
+        "job.state",
+        "snapshot",
+        "decision",
+        "migration",
+        "migration.step",
+        "placement_change",
+        "telemetry",
+        "alert",
+    }
 )
 
 

@@ -8,7 +8,8 @@ Server to client:
                        state, so a client that reconnects after missing events starts over from
                        it (job: state, latest snapshot id, last decision id, open migration, open
                        alerts; cluster: summary counts).
-  ``job.state``, ``snapshot``, ``decision``, ``migration``, ``migration.step``, ``telemetry``,
+  ``job.state``, ``snapshot``, ``decision``, ``migration``, ``migration.step``,
+  ``placement_change``, ``telemetry``,
   ``alert``            the events of ``common.events.EVENT_TYPES``, as published.
   ``pong``             the answer to ``ping``.
   ``error``            a client frame the server does not understand; the socket stays open.

@@ -9,7 +9,10 @@ migration has reserved are not free, and a device reserved while admission runs 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from django.db import connection, transaction
+from django.db.models import Q
 
 from cluster.models import FREE_DEVICE, Device, DeviceStatus, NodeStatus
 from cluster.selectors import free_devices
@@ -73,7 +76,7 @@ def admit_pending(*, actor: Actor) -> list[Job]:
             try:
                 with transaction.atomic():
                     launches = _allocate(job, result, {d.uid: d for d in cluster})
-            except _DevicesTaken as taken:
+            except DevicesTaken as taken:
                 # Reserved by a migration after this round read the free pool: wait for the next.
                 detail = f"waiting for devices: {', '.join(taken.uids)} were reserved meanwhile"
                 job.state_reason, job.state_detail = JobReason.WAITING_FOR_DEVICES, detail
@@ -88,32 +91,55 @@ def admit_pending(*, actor: Actor) -> list[Job]:
     return admitted
 
 
-class _DevicesTaken(Exception):
+class DevicesTaken(Exception):
     def __init__(self, uids: list[str]) -> None:
         super().__init__(", ".join(uids))
         self.uids = uids
 
 
 def _allocate(job: Job, placement: Placement, by_uid: dict[str, Device]) -> dict[Worker, list[Device]]:
-    """Create the job's workers and give them their devices; raises _DevicesTaken (and the caller's
-    savepoint undoes everything) when a device stopped being free since the pool was read."""
+    return allocate_workers(job, placement, by_uid, worker_name=lambda group, i: f"j{job.pk}-{group}-w{i}")
+
+
+def allocate_workers(
+    job: Job,
+    placement: Placement,
+    by_uid: Mapping[str, Device],
+    *,
+    worker_name: Callable[[str, int], str],
+    reservation: str = "",
+) -> dict[Worker, list[Device]]:
+    """Create the job's workers and give them their devices: free ones, or the ones held for the
+    job under ``reservation`` (a re-placement). A device placed for more than one worker is owned
+    by the first and time-shared by the others (a colocated placement). Raises DevicesTaken (and
+    the caller's savepoint undoes everything) when a device stopped being available meanwhile."""
+    available = (
+        FREE_DEVICE
+        if not reservation
+        else Q(
+            status=DeviceStatus.FREE,
+            worker__isnull=True,
+            reserved_by=reservation,
+            node__status=NodeStatus.READY,
+        )
+    )
     launches: dict[Worker, list[Device]] = {}
     for group in WorkerGroup.objects.filter(job=job):
-        for i, worker_devices in enumerate(placement[group.name]):
-            worker = Worker.objects.create(group=group, name=f"j{job.pk}-{group.name}-w{i}")
+        for i, worker_devices in enumerate(placement.get(group.name, [])):
+            worker = Worker.objects.create(group=group, name=worker_name(group.name, i))
             devices = [by_uid[d.id] for d in worker_devices]
             owned = [d for d in devices if d.worker_id is None]
             shared = [d for d in devices if d.worker_id is not None]
-            got = Device.objects.filter(FREE_DEVICE, pk__in=[d.pk for d in owned]).update(
-                worker=worker, status=DeviceStatus.ALLOCATED
+            got = Device.objects.filter(available, pk__in=[d.pk for d in owned]).update(
+                worker=worker, status=DeviceStatus.ALLOCATED, reserved_by=""
             )
             if got != len(owned):
-                still_free = set(
-                    Device.objects.filter(FREE_DEVICE, pk__in=[d.pk for d in owned]).values_list(
+                still = set(
+                    Device.objects.filter(available, pk__in=[d.pk for d in owned]).values_list(
                         "uid", flat=True
                     )
                 )
-                raise _DevicesTaken(sorted(d.uid for d in owned if d.uid not in still_free))
+                raise DevicesTaken(sorted(d.uid for d in owned if d.uid not in still))
             for d in owned:
                 d.status, d.worker_id = DeviceStatus.ALLOCATED, worker.pk
             if shared:

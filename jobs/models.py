@@ -50,6 +50,7 @@ class JobReason(models.TextChoices):
     UNSCHEDULABLE = "unschedulable"
     WORKER_FAILED = "worker_failed"
     NODE_LOST = "node_lost"
+    PLACEMENT_CHANGE_FAILED = "placement_change_failed"
 
 
 class Job(models.Model):

@@ -122,6 +122,62 @@ class Migration(models.Model):
         return None
 
 
+class PlacementChangeState(models.TextChoices):
+    STOPPING = "stopping"  # the job's workers are being stopped
+    LAUNCHING = "launching"  # the new layout's workers are being started
+    DONE = "done"
+    FAILED = "failed"
+
+
+PLACEMENT_CHANGE_TRANSITIONS: dict[str, frozenset[str]] = {
+    PlacementChangeState.STOPPING: frozenset({PlacementChangeState.LAUNCHING, PlacementChangeState.FAILED}),
+    PlacementChangeState.LAUNCHING: frozenset({PlacementChangeState.DONE, PlacementChangeState.FAILED}),
+    PlacementChangeState.DONE: frozenset(),
+    PlacementChangeState.FAILED: frozenset(),
+}
+OPEN_PLACEMENT_CHANGE_STATES = frozenset({PlacementChangeState.STOPPING, PlacementChangeState.LAUNCHING})
+
+
+class PlacementChange(models.Model):
+    """A synchronous job placed anew at an iteration boundary (colocated <-> disaggregated): its
+    workers stop, then the new layout's workers start on the same devices, which stay reserved
+    for the job in between. ``detail`` is the policy's reasoning."""
+
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="placement_changes")
+    iteration = models.PositiveIntegerField(help_text="the first iteration run under the new placement")
+    from_placement = models.CharField(max_length=16)
+    to_placement = models.CharField(max_length=16)
+    detail = models.TextField(blank=True, default="")
+    layout = models.JSONField(help_text="group -> one list of device uids per new worker")
+    old_workers = models.JSONField(default=list)
+    new_workers = models.JSONField(default=list)
+    state = models.CharField(
+        max_length=16, choices=PlacementChangeState.choices, default=PlacementChangeState.STOPPING
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    launched_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    requested_by = models.CharField(max_length=200, default="scheduler")
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["job", "state", "-created_at"])]
+
+    def __str__(self) -> str:
+        return (
+            f"placement change {self.pk} of job {self.job_id}: {self.from_placement} -> {self.to_placement}"
+        )
+
+    @property
+    def reservation(self) -> str:
+        """What the job's devices are reserved as between the old workers and the new ones."""
+        return f"placement-change-{self.pk}"
+
+    def check_transition(self, target: str) -> None:
+        check_transition("placement change", PLACEMENT_CHANGE_TRANSITIONS, self.state, target)
+
+
 class StepState(models.TextChoices):
     PLANNED = "planned"
     RUNNING = "running"

@@ -27,7 +27,7 @@ from jobs.admission import admit_pending
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerState
 from jobs.states import transition
 from scheduler.models import MigrationStep
-from scheduler.services import gpu_migrations
+from scheduler.services import gpu_migrations, placement_changes
 from scheduler.services.gpu_migrations import StepNotForNode, StepNotFound
 from scheduler.telemetry import FieldError
 
@@ -230,6 +230,12 @@ def _report_workers(node: Node, command: AgentCommand, report: Report) -> Report
                 and not Worker.objects.filter(group__job=job, state=WorkerState.STARTING).exists()
             ):
                 transition(job, JobState.RUNNING, JobReason.WORKERS_LAUNCHED, actor)
+        if job is not None:
+            # A job being placed anew waits for exactly these reports to go on.
+            if command.kind == "launch_workers":
+                placement_changes.on_workers_launched(job)
+            else:
+                placement_changes.on_workers_stopped(job)
     if freed:
         admit_pending(actor=actor)
     return ReportOutcome(command, repeated=False)

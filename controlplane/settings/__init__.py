@@ -283,6 +283,8 @@ SNAPSHOT_EVERY_S = env_float("SNAPSHOT_EVERY_S", 30.0)  # a snapshot at least th
 PREDICTOR_SETTLE_S = env_float("PREDICTOR_SETTLE_S", 20.0)  # wait before comparing prediction and outcome
 STEP_TIMEOUT_MIN_S = env_float("STEP_TIMEOUT_MIN_S", 60.0)  # a silent step fails after this long ...
 STEP_TIMEOUT_FACTOR = env_float("STEP_TIMEOUT_FACTOR", 10.0)  # ... or this many times its estimate
+PLACEMENT_CHANGE_TIMEOUT_S = env_float("PLACEMENT_CHANGE_TIMEOUT_S", 300.0)  # a job re-placement that has not
+# finished after this long fails the job (its workers neither stopped nor started)
 TICK_SCHEDULE_S = env_float("TICK_SCHEDULE_S", 1.0)  # beat fans out ticks this often
 
 # --- Node agents and telemetry ------------------------------------------------------------------

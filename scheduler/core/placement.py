@@ -134,3 +134,59 @@ def fits_in(groups: Sequence[GroupRequest], cluster: Sequence[Device]) -> Placem
     """Could the job ever be placed on this cluster if it were empty? None when it could."""
     result = place(groups, cluster, cluster)
     return result if isinstance(result, PlacementFailure) else None
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What a running job's GPU group allows when the job is placed anew: its worker size, limits
+    and hardware, and the GPUs its spec gives it when the job runs disaggregated."""
+
+    name: str
+    gpus_per_worker: int
+    min_workers: int
+    max_workers: int | None
+    valid_dp: tuple[int, ...]
+    hardware: tuple[str, ...]
+    split_gpus: int  # disaggregated: the spec's GPUs for this group
+
+
+def relayout(
+    groups: Sequence[GroupShape], devices: Sequence[Device], *, time_shared: bool
+) -> Placement | PlacementFailure:
+    """The job's GPU groups placed anew on the devices the job holds: every group time-sharing
+    all of them (colocated), or each on its own share in the spec's split (disaggregated). The
+    groups' limits hold in either: a worker count outside [min, max] or the valid data-parallel
+    sizes, or a worker that would span two nodes, is a failure naming the group."""
+    ordered = global_rank_order(devices)
+    requests: list[GroupRequest] = []
+    for group in groups:
+        gpus = len(ordered) if time_shared else group.split_gpus
+        if gpus <= 0 or gpus % group.gpus_per_worker:
+            return PlacementFailure(
+                group.name, f"{gpus} GPUs are not whole workers of {group.gpus_per_worker} GPU(s)"
+            )
+        workers = gpus // group.gpus_per_worker
+        if workers < group.min_workers or (group.max_workers is not None and workers > group.max_workers):
+            limit = (
+                f"{group.min_workers}–{group.max_workers}" if group.max_workers else f"≥ {group.min_workers}"
+            )
+            return PlacementFailure(group.name, f"{workers} workers is outside its limits ({limit})")
+        if group.valid_dp and workers not in group.valid_dp:
+            return PlacementFailure(
+                group.name, f"{workers} workers is not a valid data-parallel size {list(group.valid_dp)}"
+            )
+        ranks = tuple(range(len(ordered))) if time_shared else None
+        requests.append(GroupRequest(group.name, workers, group.gpus_per_worker, group.hardware, ranks))
+    if not time_shared and sum(r.gpus for r in requests) > len(ordered):
+        return PlacementFailure(
+            requests[0].name if requests else "",
+            f"the spec's split needs more than the job's {len(ordered)} GPUs",
+        )
+    placed = place(requests, ordered, ordered)
+    if isinstance(placed, PlacementFailure):
+        return placed
+    for name, placed_workers in placed.items():
+        for worker in placed_workers:
+            if len({d.node for d in worker}) > 1:
+                return PlacementFailure(name, f"a worker would span nodes {sorted({d.node for d in worker})}")
+    return placed

@@ -35,7 +35,7 @@ from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals
 from scheduler.models import GroupSignalsRecord, SchedulingDecision, Tick
-from scheduler.services import gpu_migrations, predictor_errors, snapshots
+from scheduler.services import gpu_migrations, placement_changes, predictor_errors, snapshots
 from scheduler.services.graph import build_hypergraph, core_device
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def run_tick(job_id: int) -> Tick | None:
         decisions = 0
 
         in_flight = gpu_migrations.open_migration(job)
+        replacing = placement_changes.open_change(job) if in_flight is None else None
         if in_flight is not None:
             # A step report holds the migration's lock and then needs the job's: never wait for it
             # while holding the job (that order deadlocks). The report drives the migration itself.
@@ -90,6 +91,10 @@ def run_tick(job_id: int) -> Tick | None:
                 gpu_migrations.fail_stuck_steps(migration, now=now)
                 gpu_migrations.advance(migration)
             outcome = "migration_in_flight"
+        elif replacing is not None:
+            # The job's workers are stopping or starting in their new layout: nothing to decide.
+            placement_changes.fail_if_stuck(replacing, now=now)
+            outcome = "replacing"
         elif _iterations_done(job, signals):
             outcome = "finished"
         elif job.state == JobState.PAUSED_SCHEDULING:
@@ -104,11 +109,22 @@ def run_tick(job_id: int) -> Tick | None:
                 params=job.spec.get("policy", {}).get("params", {}),
             )
             policy.load_state(job.policy_state.get("policy", {}))
-            driver = SerialDriver(policy, SerialDriver.queued_from_json(job.policy_state.get("queued", [])))
+            driver = SerialDriver(
+                policy,
+                SerialDriver.queued_from_json(job.policy_state.get("queued", [])),
+                placement_changes=True,
+            )
             free = [core_device(d) for d in free_devices(job.backend)]
             decision = driver.next_decision(graph, signals, free, now.timestamp())
             policy_ms = (time.perf_counter() - policy_started) * 1000
             outcome = "no_change"
+            if driver.placement_change is not None:
+                replaced = placement_changes.start(job, driver.placement_change, actor=Actor.scheduler())
+                if isinstance(replaced, str):
+                    policy.placement_refused(driver.placement_change, replaced)
+                else:
+                    driver.queued.clear()  # the job is laid out anew: no move of the old layout applies
+                    outcome = "replacing"
             for dropped in driver.dropped:
                 _record_dropped(job, dropped)
             if driver.iteration_ended and policy.replan_note:

@@ -31,9 +31,10 @@ def math_spec(
     rollout: int = 6,
     actor: int = 2,
     policy_params: dict[str, Any] | None = None,
+    actor_valid_dp: tuple[int, ...] = (2, 4, 6),
 ) -> dict[str, Any]:
-    """A math RL job on a 1.5B model for 8 GPUs: ``rollout`` engines and an ``actor`` gang that may
-    grow to 4 or 6 ranks."""
+    """A math RL job on a 1.5B model for 8 GPUs: ``rollout`` engines and an ``actor`` gang of one
+    of the ``actor_valid_dp`` sizes (by default it may grow to 4 or 6 ranks)."""
     return {
         "name": name,
         "backend": "sim",
@@ -52,7 +53,7 @@ def math_spec(
                 "kind": "actor",
                 "workers": actor,
                 "min_workers": 2,
-                "parallelism": {"tp": 1, "valid_dp": [2, 4, 6]},
+                "parallelism": {"tp": 1, "valid_dp": list(actor_valid_dp)},
                 "depends_on": ["rollout"],
             },
         ],

@@ -42,11 +42,12 @@ def test_a_rollout_starved_by_the_spec_gets_a_larger_base_split_at_an_iteration_
     replans = list(AuditEvent.objects.filter(job=job, verb="replan").order_by("at"))
     assert replans, "no boundary was re-planned"
     assert all("took" in e.reason and "rollout body" in e.reason for e in replans)
-    # The live control plane keeps the placement it has; a switch it would make is said so.
+    # Colocated would give the trainer eight ranks, which its valid sizes (2, 4, 6) forbid: a
+    # switch dynarl would make is refused, and the boundary's row says why.
     for event in replans:
         if "colocated saves" in event.reason:
             assert (
-                "[not carried out: this control plane does not change a running job's placement]"
+                "[not carried out: actor: 8 workers is not a valid data-parallel size [2, 4, 6]]"
                 in event.reason
             )
     assert not job.groups.filter(workers__colocated_devices__isnull=False).exists()

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from scheduler.core.hypergraph import Device
-from scheduler.core.placement import GroupRequest, PlacementFailure, fits_in, place
+from scheduler.core.placement import GroupRequest, GroupShape, PlacementFailure, fits_in, place, relayout
 
 
 def cluster(nodes: dict[str, tuple[str, int]]) -> list[Device]:
@@ -84,3 +84,60 @@ def test_fits_in_detects_jobs_that_can_never_fit() -> None:
     assert failure is not None and failure.group == "actor"
     failure = fits_in([GroupRequest("actor", 1, 4, hardware=("H20",))], devices)
     assert failure is not None
+
+
+def shape(
+    name: str,
+    split_gpus: int,
+    *,
+    gpus_per_worker: int = 1,
+    max_workers: int | None = None,
+    valid_dp: tuple[int, ...] = (),
+) -> GroupShape:
+    return GroupShape(
+        name=name,
+        gpus_per_worker=gpus_per_worker,
+        min_workers=1,
+        max_workers=max_workers,
+        valid_dp=valid_dp,
+        hardware=(),
+        split_gpus=split_gpus,
+    )
+
+
+def test_a_colocated_relayout_gives_every_group_workers_on_all_the_jobs_devices() -> None:
+    devices = cluster({"a": ("H100", 4), "b": ("H100", 4)})
+    result = relayout([shape("rollout", 6, gpus_per_worker=2), shape("actor", 2)], devices, time_shared=True)
+    assert not isinstance(result, PlacementFailure)
+    assert len(result["rollout"]) == 4 and len(result["actor"]) == 8
+    for workers in result.values():
+        assert sorted(d.id for w in workers for d in w) == sorted(d.id for d in devices)
+        assert all(len({d.node for d in w}) == 1 for w in workers)
+
+
+def test_a_disaggregated_relayout_gives_each_group_its_spec_share_and_no_device_twice() -> None:
+    devices = cluster({"a": ("H100", 4), "b": ("H100", 4)})
+    result = relayout([shape("rollout", 6, gpus_per_worker=2), shape("actor", 2)], devices, time_shared=False)
+    assert not isinstance(result, PlacementFailure)
+    assert len(result["rollout"]) == 3 and len(result["actor"]) == 2
+    used = [d.id for workers in result.values() for w in workers for d in w]
+    assert len(used) == len(set(used)) == 8
+
+
+def test_a_relayout_respects_the_operators_limits_and_names_the_group() -> None:
+    devices = cluster({"a": ("H100", 4), "b": ("H100", 4)})
+    too_many = relayout([shape("rollout", 4), shape("actor", 4, max_workers=4)], devices, time_shared=True)
+    assert too_many == PlacementFailure("actor", "8 workers is outside its limits (1–4)")
+    invalid_dp = relayout(
+        [shape("rollout", 4), shape("actor", 4, valid_dp=(2, 4, 6))], devices, time_shared=True
+    )
+    assert invalid_dp == PlacementFailure("actor", "8 workers is not a valid data-parallel size [2, 4, 6]")
+    uneven = relayout(
+        [shape("rollout", 6, gpus_per_worker=4), shape("actor", 2)],
+        cluster({"a": ("H100", 6)}),
+        time_shared=True,
+    )
+    assert isinstance(uneven, PlacementFailure) and uneven.group == "rollout"
+    # A spec that was colocated has no split of its own to go back to.
+    overlapping = relayout([shape("rollout", 8), shape("actor", 8)], devices, time_shared=False)
+    assert isinstance(overlapping, PlacementFailure) and "more than the job's 8 GPUs" in overlapping.reason

@@ -8,6 +8,7 @@ from scheduler.core.decisions import Decision, Reason
 from scheduler.core.hypergraph import Hypergraph
 from scheduler.core.policies import Placement
 from scheduler.core.policies.base import PLACEMENT_CHANGE_UNSUPPORTED
+from scheduler.core.policies.dynarl import DynaRLPolicy
 from scheduler.core.policies.serial import SerialDriver
 from tests.scheduler_core.test_policies_dynarl import finished_stages, memory, policy_with
 from tests.scheduler_core.test_policies_fixtures import land, make_policy
@@ -116,12 +117,9 @@ def test_decisions_round_trip_through_json_exactly():
     assert Decision.from_json(json.loads(json.dumps(decision.to_json()))) == decision
 
 
-def test_the_live_driver_keeps_the_placement_and_the_policy_says_what_it_would_have_chosen():
-    policy = policy_with(memory())
-    driver = SerialDriver(policy)
-    assert policy.placement_changes_supported is False
-    # What the ticks measured of iteration 0 (as a restored policy state holds it): a rollout
-    # with no tail and a pipeline doing most of the work, so colocated is predicted faster.
+def _measured_no_tail_iteration(policy: DynaRLPolicy) -> None:
+    """What the ticks measured of iteration 0 (as a restored policy state holds it): a rollout
+    with no tail and a pipeline doing most of the work, so colocated is predicted faster."""
     policy.clock.iteration = 0
     policy.ledger.load(
         {
@@ -139,10 +137,37 @@ def test_the_live_driver_keeps_the_placement_and_the_policy_says_what_it_would_h
             "job_gpus_max": 12,
         }
     )
+
+
+def test_a_driver_that_cannot_place_a_job_anew_keeps_the_placement_and_says_what_it_would_have_chosen():
+    policy = policy_with(memory())
+    driver = SerialDriver(policy)
+    assert policy.placement_changes_supported is False
+    _measured_no_tail_iteration(policy)
     graph, signals = finished_stages()
     driver.next_decision(replace(graph, iteration=1), signals, [], now=200.0)
-    assert driver.iteration_ended
+    assert driver.iteration_ended and driver.placement_change is None
     assert policy.mode is Placement.DISAGGREGATED
     assert "colocated saves" in policy.replan_note
     assert f"[not carried out: {PLACEMENT_CHANGE_UNSUPPORTED}]" in policy.replan_note
     assert policy.next_placement() is None
+
+
+def test_the_live_driver_hands_a_placement_change_over_before_any_move_and_a_refusal_undoes_it():
+    policy = policy_with(memory())
+    driver = SerialDriver(policy, placement_changes=True)
+    assert policy.placement_changes_supported is True
+    _measured_no_tail_iteration(policy)
+    graph, signals = finished_stages()
+    decision = driver.next_decision(replace(graph, iteration=1), signals, [], now=200.0)
+    change = driver.placement_change
+    assert decision is None and change is not None
+    assert change.placement is Placement.COLOCATED and "colocated saves" in change.detail
+    assert policy.mode is Placement.COLOCATED and driver.queued == []
+    # The caller could not place the job anew: the policy keeps the placement it has, says why.
+    policy.placement_refused(change, "actor: 12 workers is outside its limits (2–6)")
+    assert policy.mode is Placement.DISAGGREGATED
+    assert "[not carried out: actor: 12 workers is outside its limits (2–6)]" in policy.replan_note
+    # The next call is an ordinary one: no change is handed over twice.
+    driver.next_decision(replace(graph, iteration=1), signals, [], now=201.0)
+    assert driver.placement_change is None

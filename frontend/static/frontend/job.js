@@ -837,6 +837,7 @@
       case "decision": return refreshDecisions();
       case "migration": return onMigration(frame.data);
       case "migration.step": return onMigrationStep(frame.data);
+      case "placement_change": return refreshTimeline();
       case "telemetry": return onTelemetry(frame.data);
       default: return undefined;
     }

@@ -23,7 +23,7 @@ from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signals import GroupSignals
 
 # Why a caller without ``placement_changes_supported`` leaves a re-planned placement undone.
-PLACEMENT_CHANGE_UNSUPPORTED = "this control plane does not change a running job's placement"
+PLACEMENT_CHANGE_UNSUPPORTED = "the caller does not place a running job anew"
 
 
 class Placement(StrEnum):

@@ -16,6 +16,7 @@ from scheduler.core.policies.base import (
     PlacementChange,
 )
 from scheduler.core.policies.moves import (
+    Loan,
     PendingMove,
     ReturnMove,
     bundles,
@@ -223,6 +224,7 @@ class DynaRLPolicy(BasePolicy):
         self.outcomes = MoveOutcomes(self.param_int("probation_iterations"))
         self._rollout_base: int | None = None  # rollout GPUs at the start of a disaggregated iteration
         self._placement_choice: PlacementChoice | None = None  # for the caller to carry out
+        self._loans_before_change: list[Loan] = []  # loans a refused placement change gives back
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
         self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
         self._ever_ahead = False  # whether the rollout was ever seen generating ahead of the trainer
@@ -397,7 +399,9 @@ class DynaRLPolicy(BasePolicy):
         choice = self._replan(graph, record)
         if choice is not None:
             # The whole placement is rebuilt for the next iteration: no loan goes home first.
+            # They are kept aside in case the caller cannot carry the change out.
             self._placement_choice = choice
+            self._loans_before_change = list(self.loans.loans)
             self.loans.loans.clear()
             return []
         if self.memory.generating_ahead(graph.iteration):
@@ -619,6 +623,8 @@ class DynaRLPolicy(BasePolicy):
 
     def placement_refused(self, choice: PlacementChange, why: str) -> None:
         """The caller could not carry out ``choice``: the job stays as it was."""
+        self.loans.loans.extend(self._loans_before_change)
+        self._loans_before_change = []
         self.mode = (
             Placement.DISAGGREGATED if choice.placement is Placement.COLOCATED else Placement.COLOCATED
         )

@@ -8,9 +8,10 @@ rest in a queue that the caller persists between ticks, hands them out one per c
 ``on_iteration_end`` when the job's iteration has moved on since the policy last looked — even
 if a migration was in flight at the boundary.
 
-The live control plane moves GPUs between a job's groups but does not rebuild a running job in
-another placement (colocated or disaggregated), so the driver tells the policy so: a re-planning
-policy then records the placement it would pick (``replan_note``) and keeps the one it has.
+A placement change the policy re-planned at the boundary (colocated or disaggregated) is handed
+to the caller (``placement_change``) before any move: the caller places the job anew, or refuses
+and tells the policy why. A caller that cannot place a job anew says so at construction
+(``placement_changes=False``), and the driver refuses every change for it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import Device, Hypergraph
-from scheduler.core.policies.base import PLACEMENT_CHANGE_UNSUPPORTED, SchedulingPolicy
+from scheduler.core.policies.base import PLACEMENT_CHANGE_UNSUPPORTED, PlacementChange, SchedulingPolicy
 from scheduler.core.signals import GroupSignals
 
 
@@ -36,12 +37,17 @@ class DroppedDecision:
 class SerialDriver:
     """One decision per call: queued ones first (oldest first), then the policy's new ones."""
 
-    def __init__(self, policy: SchedulingPolicy, queued: Sequence[Decision] = ()) -> None:
+    def __init__(
+        self, policy: SchedulingPolicy, queued: Sequence[Decision] = (), *, placement_changes: bool = False
+    ) -> None:
         self.policy = policy
-        policy.placement_changes_supported = False
+        policy.placement_changes_supported = placement_changes
         self.queued: list[Decision] = list(queued)
         self.dropped: list[DroppedDecision] = []  # by the last ``next_decision``
         self.iteration_ended = False  # whether the last ``next_decision`` called the hook
+        # The placement the policy re-planned at this boundary, for the caller to carry out (or
+        # refuse with ``policy.placement_refused``) before any move.
+        self.placement_change: PlacementChange | None = None
 
     def next_decision(
         self,
@@ -52,13 +58,17 @@ class SerialDriver:
     ) -> Decision | None:
         """The move to start now, or None. Call only while no migration of the job is open."""
         self.dropped = []
+        self.placement_change = None
         self.iteration_ended = self.policy.iteration_advanced(graph)
         if self.iteration_ended:
             # The boundary's moves go first: they set up the next iteration's split.
             self.queued[:0] = self.policy.on_iteration_end(graph, now, signals)
             change = self.policy.next_placement()
-            if change is not None:
+            if change is not None and not self.policy.placement_changes_supported:
                 self.policy.placement_refused(change, PLACEMENT_CHANGE_UNSUPPORTED)
+            elif change is not None:
+                self.placement_change = change
+                return None
         free = {d.id for d in free_devices}
         while self.queued:
             decision = self.queued.pop(0)
