@@ -60,7 +60,11 @@ def queue_launch(
     return commands
 
 
-def queue_stop(workers: Iterable[Worker], *, reason: str) -> list[AgentCommand]:
+def queue_stop(
+    workers: Iterable[Worker], *, reason: str, redo_from_iteration: int | None = None
+) -> list[AgentCommand]:
+    """One ``stop_workers`` command per node. ``redo_from_iteration``: the job is being placed anew
+    and these are all its workers, so each node voids its progress from that iteration."""
     per_node: dict[Node, list[str]] = defaultdict(list)
     job_id = None
     for worker in workers:
@@ -74,7 +78,8 @@ def queue_stop(workers: Iterable[Worker], *, reason: str) -> list[AgentCommand]:
             command_id=f"stop:{names[0]}:{len(names)}:{timezone.now().timestamp():.6f}",
             node=node,
             kind="stop_workers",
-            payload={"job": job_id, "workers": names, "reason": reason},
+            payload={"job": job_id, "workers": names, "reason": reason}
+            | ({} if redo_from_iteration is None else {"redo_from_iteration": redo_from_iteration}),
         )
         for node, names in per_node.items()
     ]

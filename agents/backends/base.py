@@ -94,8 +94,12 @@ class ExecutionBackend(Protocol):
         """Start workers of a job (``job`` is the launch payload: id and spec). Idempotent by worker name."""
         ...
 
-    def stop_workers(self, job_id: int, worker_names: Sequence[str]) -> dict[str, Any]:
-        """Stop workers; stopping one that is not running is not an error."""
+    def stop_workers(
+        self, job_id: int, worker_names: Sequence[str], *, redo_from_iteration: int | None = None
+    ) -> dict[str, Any]:
+        """Stop workers; stopping one that is not running is not an error. ``redo_from_iteration``:
+        the job is being placed anew and these are all its workers here, so what this node did of
+        that iteration and later is void (the new layout's workers redo it from the start)."""
         ...
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:

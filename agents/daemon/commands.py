@@ -132,7 +132,14 @@ class CommandRunner:
             if kind == "stop_workers":
                 names = _worker_names(payload.get("workers", []))
                 job_id = payload.get("job")
-                result = self.backend.stop_workers(job_id if isinstance(job_id, int) else 0, names)
+                redo = payload.get("redo_from_iteration")
+                result = self.backend.stop_workers(
+                    job_id if isinstance(job_id, int) else 0,
+                    names,
+                    redo_from_iteration=redo
+                    if isinstance(redo, int) and not isinstance(redo, bool)
+                    else None,
+                )
                 body = workers_outcome(result, names)
                 if body["ok"]:
                     for name in names:

@@ -664,6 +664,22 @@ def _partitions(
     return partitions
 
 
+def redo_from(job: Job, iteration: int) -> None:
+    """The job was placed anew and its new workers redo ``iteration`` (and later ones) from the
+    start: forget its nodes' reports and the partitions and claims of those iterations, so the
+    work is split afresh over the new members (the nodes voided their own progress when their
+    workers stopped)."""
+    scope = scope_of(job)
+    rollout_groups = list(job.groups.filter(kind=ROLLOUT_KIND).values_list("name", flat=True))
+    later = range(iteration, job.iterations_total)
+    keys = [nodes_key(scope)]
+    keys += [partition_key(scope, i) for i in later]
+    keys += [claims_key(scope, i, group) for i in later for group in rollout_groups]
+    client = common_redis.shared_client()
+    for start in range(0, len(keys), 512):
+        client.delete(*keys[start : start + 512])
+
+
 def group_progress(job_id: int) -> dict[str, tuple[int, int]]:
     """Per group of the job, (samples completed over all nodes, samples per iteration) in the job's
     current iteration; groups no node reported for that iteration (tool sandboxes) are left out."""

@@ -17,6 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from agents.services import progress
 from agents.services.command_states import FINISHED_COMMAND_STATES, check_command
 from agents.services.payloads import InvalidPayload, json_object, text_field
 from cluster.models import AgentCommand, CommandState, Device, Node, release_devices
@@ -234,8 +235,8 @@ def _report_workers(node: Node, command: AgentCommand, report: Report) -> Report
             # A job being placed anew waits for exactly these reports to go on.
             if command.kind == "launch_workers":
                 placement_changes.on_workers_launched(job)
-            else:
-                placement_changes.on_workers_stopped(job)
+            elif (launched := placement_changes.on_workers_stopped(job)) is not None:
+                progress.redo_from(job, launched.iteration)
     if freed:
         admit_pending(actor=actor)
     return ReportOutcome(command, repeated=False)

@@ -5,11 +5,13 @@ faster with every stage time-sharing all the job's GPUs (colocated), or back on 
 own (disaggregated). Moving GPUs between groups one migration at a time cannot get there, so the
 job is placed anew, as a ``PlacementChange`` row:
 
-    stopping  -- every worker of the job's GPU groups stops (``stop_workers``); each device a
-                 stop frees is reserved for the change in the same transaction, so no other job
-                 is admitted onto it in between
+    stopping  -- every worker of the job stops (``stop_workers`` with ``redo_from_iteration``:
+                 the iteration that just began is redone from its start by the new layout); each
+                 device a stop frees is reserved for the change in the same transaction, so no
+                 other job is admitted onto it in between
     launching -- once all have stopped, the new layout's workers are created on the reserved
-                 devices and launched (``launch_workers``); the agents carry the iteration on
+                 devices and launched (``launch_workers``); the iteration's partition of work is
+                 drawn anew over them (``agents.services.progress.redo_from``)
     done      -- every new worker runs
 
 A new worker that fails to start fails the job as any failed launch does, and so does a change
@@ -52,7 +54,7 @@ def open_change(job: Job) -> PlacementChangeRow | None:
 def start(job: Job, change: PlacementChange, *, actor: Actor) -> PlacementChangeRow | str:
     """Begin placing ``job`` (locked by the caller) as ``change`` says; returns the row, or why
     it cannot be done now (the job then keeps its placement)."""
-    groups = _gpu_groups(job)
+    groups = _live_groups(job)
     workers = list(
         Worker.objects.filter(group__in=groups, state__in=LIVE_WORKER_STATES)
         .select_related("group")
@@ -82,23 +84,26 @@ def start(job: Job, change: PlacementChange, *, actor: Actor) -> PlacementChange
         worker.check_transition(WorkerState.STOPPING)
         worker.state = WorkerState.STOPPING
         worker.save(update_fields=["state"])
-    agent_commands.queue_stop(workers, reason=f"placing the job anew ({row.to_placement})")
+    agent_commands.queue_stop(
+        workers, reason=f"placing the job anew ({row.to_placement})", redo_from_iteration=job.iteration
+    )
     audit.record(actor, "placement_change.started", row, job=job, reason=change.detail)
     _publish(row)
     return row
 
 
-def on_workers_stopped(job: Job) -> None:
+def on_workers_stopped(job: Job) -> PlacementChangeRow | None:
     """A stop report freed some of the job's workers (in the report's transaction, job locked):
-    hold what they freed for the open change, and launch the new layout once all have stopped."""
+    hold what they freed for the open change, and launch the new layout once all have stopped.
+    Returns the change when this report launched it."""
     change = _locked_open(job, PlacementChangeState.STOPPING)
     if change is None:
-        return
+        return None
     if job.is_terminal:
         _end(
             change, PlacementChangeState.FAILED, f"the job ended ({job.state}) while it was being placed anew"
         )
-        return
+        return None
     uids = _layout_uids(change)
     Device.objects.filter(uid__in=uids, worker__isnull=True, status=DeviceStatus.FREE, reserved_by="").update(
         reserved_by=change.reservation
@@ -108,8 +113,8 @@ def on_workers_stopped(job: Job) -> None:
         .exclude(state__in=(WorkerState.STOPPED, WorkerState.FAILED))
         .exists()
     ):
-        return
-    _launch(job, change)
+        return None
+    return change if _launch(job, change) else None
 
 
 def on_workers_launched(job: Job) -> None:
@@ -145,7 +150,7 @@ def fail_if_stuck(change: PlacementChangeRow, *, now: datetime) -> bool:
     return True
 
 
-def _launch(job: Job, change: PlacementChangeRow) -> None:
+def _launch(job: Job, change: PlacementChangeRow) -> bool:
     uids = _layout_uids(change)
     by_uid = {d.uid: d for d in Device.objects.select_related("node").filter(uid__in=uids)}
     layout = {
@@ -165,7 +170,7 @@ def _launch(job: Job, change: PlacementChangeRow) -> None:
         why = f"devices no longer held for the job: {', '.join(taken.uids)}"
         _end(change, PlacementChangeState.FAILED, why)
         transition(job, JobState.FAILED, JobReason.PLACEMENT_CHANGE_FAILED, Actor.scheduler(), why)
-        return
+        return False
     change.check_transition(PlacementChangeState.LAUNCHING)
     change.state = PlacementChangeState.LAUNCHING
     change.launched_at = timezone.now()
@@ -174,6 +179,7 @@ def _launch(job: Job, change: PlacementChangeRow) -> None:
     agent_commands.queue_launch(launches, job_spec=job.spec)
     audit.record(Actor.scheduler(), "placement_change.launching", change, job=job, reason=change.detail)
     _publish(change)
+    return True
 
 
 def _end(change: PlacementChangeRow, state: str, error: str) -> None:
@@ -194,12 +200,11 @@ def _locked_open(job: Job, state: str) -> PlacementChangeRow | None:
     return PlacementChangeRow.objects.select_for_update().filter(job=job, state=state).first()
 
 
-def _gpu_groups(job: Job) -> list[WorkerGroup]:
-    """The groups whose workers hold devices (reward and tool workers on CPUs keep running)."""
-    held = Worker.objects.filter(state__in=LIVE_WORKER_STATES, group__job=job).filter(
-        devices__isnull=False
-    ) | Worker.objects.filter(state__in=LIVE_WORKER_STATES, group__job=job, colocated_devices__isnull=False)
-    ids = set(held.values_list("group_id", flat=True))
+def _live_groups(job: Job) -> list[WorkerGroup]:
+    """The groups with live workers: all of them are placed anew (every group holds devices)."""
+    ids = set(
+        Worker.objects.filter(state__in=LIVE_WORKER_STATES, group__job=job).values_list("group_id", flat=True)
+    )
     return list(WorkerGroup.objects.filter(pk__in=ids).order_by("pk"))
 
 

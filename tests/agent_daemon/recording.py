@@ -76,8 +76,10 @@ class RecordingBackend:
                 self._workers[name] = int(job.get("job", 0))
         return {"launched": names}
 
-    def stop_workers(self, job_id: int, worker_names: Sequence[str]) -> dict[str, Any]:
-        self._record("stop_workers", job=job_id, workers=list(worker_names))
+    def stop_workers(
+        self, job_id: int, worker_names: Sequence[str], *, redo_from_iteration: int | None = None
+    ) -> dict[str, Any]:
+        self._record("stop_workers", job=job_id, workers=list(worker_names), redo_from=redo_from_iteration)
         with self._lock:
             for name in worker_names:
                 self._workers.pop(name, None)

@@ -11,8 +11,10 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
+from agents.services import progress
 from cluster.models import AgentCommand, Device
 from cluster.selectors import free_devices
+from common import redis as common_redis
 from common.audit import Actor
 from common.models import AuditEvent
 from jobs.models import Job, JobReason, JobState, Worker, WorkerState
@@ -76,6 +78,16 @@ def test_a_job_is_placed_colocated_on_its_own_devices_and_no_other_job_takes_the
     assert set(Worker.objects.filter(name__in=old).values_list("state", flat=True)) == {WorkerState.STOPPING}
     stops = commands(agents, "stop_workers")
     assert set(stops) == {"node-a", "node-b"}
+    # The iteration that has just begun is redone by the new layout: the nodes void their part of
+    # it, and the control plane forgets how it was split and what the nodes reported.
+    assert {c["payload"]["redo_from_iteration"] for c in stops.values()} == {job.iteration}
+    scope = progress.scope_of(job)
+    redis = common_redis.shared_client()
+    split = progress.partition_key(scope, job.iteration)
+    claimed = progress.claims_key(scope, job.iteration, "rollout")
+    redis.set(split, '{"rollout": ["j1-rollout-w0"]}')
+    redis.sadd(claimed, "j1-rollout-w0")
+    redis.hset(progress.nodes_key(scope), "node-a", "{}")
 
     # One node has stopped its workers: what they freed stays the job's, though another job waits.
     agents["node-a"].report(stops["node-a"]["command_id"], {"ok": True})
@@ -100,6 +112,7 @@ def test_a_job_is_placed_colocated_on_its_own_devices_and_no_other_job_takes_the
         assert held == before
     assert all(d["shared"] for w in payloads for d in w["devices"])
     assert not Device.objects.filter(reserved_by=change.reservation).exists()
+    assert not redis.exists(split, claimed, progress.nodes_key(scope))
 
     for host, command in launches.items():
         agents[host].report(command["command_id"], {"ok": True})

@@ -12,7 +12,7 @@ import pytest
 
 from agents.backends.base import StepFailed, WorkerReading
 from agents.backends.sim.backend import ManualClock
-from tests.sim_backend.relay import Relay, manual_backends, math_spec
+from tests.sim_backend.relay import Relay, manual_backends, math_spec, run_until
 from tests.sim_backend.test_backend import collect, step
 
 JOB = 7
@@ -165,3 +165,40 @@ def test_migration_steps_refuse_time_shared_workers_and_devices(clock: ManualClo
     # Undoing what never ran is harmless, so compensations are not refused.
     backend.execute_step(step("resume_workers", ["r0"], ["a/gpu0"], index=1, group="rollout"))
     assert backend.worker_state("r0") == "running"
+
+
+def test_a_job_placed_anew_mid_iteration_redoes_that_iteration_on_its_new_workers_and_finishes(
+    clock: ManualClock,
+) -> None:
+    """What a placement change does on the hosts: every worker of the job stops with
+    ``redo_from_iteration``, the control plane forgets the iteration's partition and the nodes'
+    reports, and the new (colocated) layout's workers redo the iteration from its start."""
+    backends = manual_backends("a", clock=clock, sample_interval_s=0.01)
+    spec = math_spec(rollout=2, actor=2, prompts=16, samples=8, max_new_tokens=2048, iterations=3)
+    relay = Relay(JOB, spec, backends)
+    assert relay.launch_together("a", [("r0", "rollout", [0]), ("r1", "rollout", [1])])["ok"]
+    assert relay.launch_together("a", [("a0", "actor", [2]), ("a1", "actor", [3])])["ok"]
+
+    def rollout_done_in_iteration_1() -> int:
+        entry = relay.entries.get("a", {})
+        return int(entry["groups"]["rollout"]["completed"]) if entry.get("iteration") == 1 else 0
+
+    run_until(relay, clock, lambda: rollout_done_in_iteration_1() > 0, step_s=0.05)
+    backend = relay.backends["a"]
+    result = backend.stop_workers(JOB, ["r0", "r1", "a0", "a1"], redo_from_iteration=1)
+    assert result["ok"] and backend.running_workers() == []
+    [entry] = [e for e in backend.telemetry().jobs if e["job"] == JOB]
+    assert entry["iteration"] == 1
+    assert all(group["completed"] == 0 for group in entry["groups"].values()), entry
+    assert not entry.get("claims", {}).get("1")
+    # The control plane's part (agents.services.progress.redo_from).
+    relay.placement.clear()
+    relay.entries.clear()
+    relay.partitions = {i: p for i, p in relay.partitions.items() if i < 1}
+    relay.claims = {key: names for key, names in relay.claims.items() if key[0] < 1}
+
+    new = [("r2", "rollout", [0]), ("r3", "rollout", [1]), ("a2", "actor", [0]), ("a3", "actor", [1])]
+    assert relay.launch_together("a", new, shared=True)["ok"]
+    run(relay, clock)
+    assert relay.advanced == [1, 2, 3], "the job finished on its new layout"
+    assert relay.partitions[1] == {"rollout": ["r2", "r3"]}, "iteration 1 was split over the new members"

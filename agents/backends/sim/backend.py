@@ -261,9 +261,12 @@ class SimBackend:
                     outcomes[name] = {"ok": False, "error": f"worker {name} did not start"}
         return {"ok": all(o["ok"] for o in outcomes.values()), "workers": outcomes}
 
-    def stop_workers(self, job_id: int, worker_names: Sequence[str]) -> dict[str, Any]:
+    def stop_workers(
+        self, job_id: int, worker_names: Sequence[str], *, redo_from_iteration: int | None = None
+    ) -> dict[str, Any]:
         """Stop workers by name (names are cluster-wide; ``job_id`` only labels the call, 0 when
-        the caller does not know it). Their unfinished work ends with them."""
+        the caller does not know it). Their unfinished work ends with them; with
+        ``redo_from_iteration`` (the job is placed anew) so does this host's progress from it."""
         self._inject("stop_workers")
         with self._lock:
             self._sim.advance_to(self.virtual_now())
@@ -271,6 +274,8 @@ class SimBackend:
             for name in worker_names:
                 self._sim.remove_worker(name, rehome=False)
                 stopped[name] = {"ok": True, "error": ""}
+            if redo_from_iteration is not None:
+                self._sim.redo_from(job_id, redo_from_iteration)
         return {"ok": True, "workers": stopped}
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:

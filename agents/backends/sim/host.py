@@ -255,6 +255,25 @@ class SimHost:
         shown = job.view.groups.get(group)
         return shown.completed if shown is not None else 0
 
+    def redo_from(self, job_id: int, iteration: int) -> None:
+        """The job is being placed anew (its workers here have all stopped): what this host did of
+        ``iteration`` and later is void, so the new layout's workers redo it from the start and
+        the counts it reports begin again at zero."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        if job.training is not None and job.training.iteration >= iteration:
+            self._stop_training(job)
+        for table in (job.completed, job.assigned):
+            for later in [i for i in table if i >= iteration]:
+                del table[later]
+        for later in [i for i in job.claims if i >= iteration]:
+            del job.claims[later]
+        job.done_keys = {key for key in job.done_keys if key[0] < iteration}
+        # Membership a migration's switch set here names workers that are gone.
+        job.overrides.clear()
+        job.rebuilt.clear()
+
     def _forget_idle_jobs(self) -> None:
         for job_id, job in list(self.jobs.items()):
             if any(w.job_id == job_id for w in self.workers.values()):
