@@ -169,14 +169,7 @@ class EngineClient:
         return_logprob: bool = False,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params or {},
-            "return_logprob": return_logprob,
-            "stream": False,
-        }
-        if rid is not None:
-            body["rid"] = rid
+        body = _generate_body(input_ids, sampling_params, rid, return_logprob)
         response = self._request("POST", "/generate", body, timeout_s or self.generate_timeout_s)
         return GenerateResult.from_json(response.json())
 
@@ -191,14 +184,7 @@ class EngineClient:
         """One ``/generate`` call for many prompts; results in the order of ``input_ids``."""
         if not input_ids:
             return []
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params or {},
-            "return_logprob": return_logprob,
-            "stream": False,
-        }
-        if rids is not None:
-            body["rid"] = rids
+        body = _generate_body(input_ids, sampling_params, rids, return_logprob)
         response = self._request("POST", "/generate", body, timeout_s or self.generate_timeout_s)
         payload = response.json()
         if not isinstance(payload, list):
@@ -385,3 +371,21 @@ def _error_message(response: httpx.Response) -> str:
             if key in payload:
                 return str(payload[key])
     return str(payload)
+
+
+def _generate_body(
+    input_ids: list[int] | list[list[int]],
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+    rid: str | list[str] | None,
+    return_logprob: bool,
+) -> dict[str, Any]:
+    """A ``/generate`` request, single or batch (SGLang takes both in the same fields)."""
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params or {},
+        "return_logprob": return_logprob,
+        "stream": False,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
