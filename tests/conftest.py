@@ -11,6 +11,11 @@ from django.db import connection
 
 from tests.services import celery_process, wait_until
 
+# The suite's Ray clusters are single-machine, on loopback: Ray reads this when it is imported
+# (agents.backends.ray.connection.LOOPBACK_ENV says why), so it is set before any test imports it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 
 @pytest.fixture(scope="session")
 def redis_reachable() -> None:
