@@ -55,7 +55,7 @@ from scheduler.models import (
     SchedulingDecision,
     StepState,
 )
-from scheduler.services import snapshots
+from scheduler.services import placement_changes, snapshots
 from scheduler.services.graph import build_hypergraph
 
 log = logging.getLogger(__name__)
@@ -648,6 +648,8 @@ def request_manual_migration(
             raise ManualMigrationError("job", f"job is {job.state}; only running jobs can migrate")
         if open_migration(job) is not None:
             raise ManualMigrationError("job", "a migration of this job is still in flight")
+        if placement_changes.open_change(job) is not None:
+            raise ManualMigrationError("job", "the job is being placed anew; move its GPUs once that is done")
         graph = build_hypergraph(job, taken_at=timezone.now().timestamp())
         names = {n.id for n in graph.nodes}
         if donor not in names:

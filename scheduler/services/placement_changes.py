@@ -30,7 +30,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cluster.models import Device, DeviceStatus, end_reservations
+from cluster.models import Device, DeviceStatus, NodeStatus, end_reservations
 from common import audit, events
 from common.audit import Actor
 from jobs import agent_commands
@@ -66,6 +66,9 @@ def start(job: Job, change: PlacementChange, *, actor: Actor) -> PlacementChange
     if starting:
         return f"workers still starting: {', '.join(starting)}"
     devices = _job_devices(workers)
+    away = sorted({d.node.name for d in devices if d.node.status != NodeStatus.READY})
+    if away:
+        return f"node {', '.join(away)} is not ready: its workers could not be stopped and started again"
     to = Placement(change.placement)
     layout = relayout(_shapes(groups), core_devices(devices), time_shared=to is Placement.COLOCATED)
     if isinstance(layout, PlacementFailure):

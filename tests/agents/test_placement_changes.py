@@ -12,7 +12,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from agents.services import progress
-from cluster.models import AgentCommand, Device
+from cluster.models import AgentCommand, Device, Node, NodeStatus
 from cluster.selectors import free_devices
 from common import redis as common_redis
 from common.audit import Actor
@@ -21,7 +21,8 @@ from jobs.models import Job, JobReason, JobState, Worker, WorkerState
 from scheduler.core.policies.base import Placement
 from scheduler.core.policies.replan import time_shared
 from scheduler.models import PlacementChange, PlacementChangeState
-from scheduler.services import placement_changes
+from scheduler.services import gpu_migrations, placement_changes
+from scheduler.services.gpu_migrations import ManualMigrationError
 from scheduler.services.graph import build_hypergraph
 from tests.agents.conftest import Agent, register
 from tests.factories import make_user, spec, submit
@@ -194,3 +195,17 @@ def test_a_change_whose_workers_never_stop_fails_the_job_with_a_reason(agents: d
     assert change.state == PlacementChangeState.FAILED
     assert (locked.state, locked.state_reason) == (JobState.FAILED, JobReason.PLACEMENT_CHANGE_FAILED)
     assert "did not finish within 0 s (stopping)" in locked.state_detail
+
+
+def test_an_operators_move_waits_for_the_change_and_a_change_needs_every_node_ready(
+    agents: dict[str, Agent],
+) -> None:
+    job = running_job(agents, rollout=6, actor=2)
+    Node.objects.filter(name="node-b").update(status=NodeStatus.LOST)
+    assert start(job) == "node node-b is not ready: its workers could not be stopped and started again"
+    Node.objects.filter(name="node-b").update(status=NodeStatus.READY)
+    assert isinstance(start(job), PlacementChange)
+    with pytest.raises(ManualMigrationError, match="the job is being placed anew"):
+        gpu_migrations.request_manual_migration(
+            job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.system("operator")
+        )
