@@ -9,7 +9,8 @@ Ray work does not land on them; devices a worker time-shares with others of its 
 placement) are counted by none of them.
 
 Worker kinds are added as the runtime grows: ``CpuEngineWorker`` serves a rollout engine, the CPU
-stand-in for an SGLang server (``runtime.engine``).
+stand-in for an SGLang server (``runtime.engine``); ``TrainerRankWorker`` is one data-parallel rank
+of the trainer (``runtime.rl.trainer``), joining its peers through a TCP store that rank 0 hosts.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from typing import Any, Final
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from torch._C import _distributed_c10d as c10d  # torch.distributed's stores are untyped there
 
 from agents.backends.ray.connection import RayNode
 from runtime.engine.cpu_engine import CpuEngine, EngineSettings
 from runtime.engine.cpu_server import CpuEngineServer
 from runtime.model.config import GPTConfig
+from runtime.rl.grpo import Trajectory
+from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
 
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
 KEEP_OUR_DEVICES: Final = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
@@ -71,6 +75,50 @@ class CpuEngineWorker:
 
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
+
+
+class TrainerRankWorker:
+    """One data-parallel rank of the trainer. Rank 0 hosts the TCP store at ``store_address``
+    (its node's address and a port free there); the others connect to it. Creating the ranks
+    returns at once; ``ready`` answers once every rank has joined the group."""
+
+    def __init__(
+        self, config: TrainerConfig, store_address: str, rank: int, world_size: int, generation: str
+    ) -> None:
+        torch.set_num_threads(1)
+        host, _, port = store_address.rpartition(":")
+        store = c10d.TCPStore(host, int(port), world_size, rank == 0)
+        rendezvous = DataParallelRendezvous(store, rank, world_size, generation)
+        self._store = store  # rank 0 serves the others' rendezvous for as long as it lives
+        self._trainer = Trainer(config, rendezvous)
+
+    def ready(self) -> int:
+        return self._trainer.rank
+
+    def train_step(self, samples: Sequence[Trajectory]) -> TrainStepMetrics:
+        return self._trainer.train_step(samples)
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        return self._trainer.engine_weights()
+
+
+def start_trainer_rank(
+    node: RayNode,
+    worker: str,
+    devices: Sequence[Mapping[str, Any]],
+    config: TrainerConfig,
+    *,
+    store_address: str,
+    rank: int,
+    world_size: int,
+    generation: str = "dp-0",
+) -> Any:
+    """Start rank ``rank`` of the trainer as ``worker`` on ``node``; returns its actor handle
+    (``ready`` once every rank joined)."""
+    actor_class = ray.remote(TrainerRankWorker)
+    return actor_class.options(**actor_options(node, worker, devices)).remote(
+        config, store_address, rank, world_size, generation
+    )
 
 
 def start_engine_worker(
