@@ -8,10 +8,13 @@ import socket
 import ray
 import torch
 
-from agents.backends.ray.actors import start_trainer_rank, stop_worker
+from agents.backends.ray.actors import start_engine_worker, start_trainer_rank, stop_worker
 from agents.backends.ray.connection import connect, find_node
+from runtime.engine.client import EngineClient
+from runtime.engine.cpu_engine import EngineSettings
+from runtime.rl.grpo import Trajectory
 from tests.ray_backend.conftest import LocalRayCluster
-from tests.runtime.rl.batches import grpo_batch, trainer_config
+from tests.runtime.rl.batches import TINY, grpo_batch, trainer_config
 
 
 def free_port() -> int:
@@ -49,3 +52,59 @@ def test_two_ranks_on_two_nodes_train_in_step(ray_cluster: LocalRayCluster) -> N
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     assert any(not torch.equal(before[name], weights[0][name]) for name in before)
+
+
+def test_the_trainer_pushes_its_weights_to_engines_on_other_nodes_which_then_generate_with_them(
+    ray_cluster: LocalRayCluster,
+) -> None:
+    connect(ray_cluster.address, namespace="dynarl-test")
+    batch = grpo_batch(groups=2, per_group=2, seed=5, logprob_noise=0.05)
+    config = trainer_config(global_batch_size=len(batch), micro_batch_size=2)
+    trainer = start_trainer_rank(
+        find_node("node-a"),
+        "j2-actor-w0",
+        [{"index": 0, "shared": False}],
+        config,
+        store_address=f"127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
+    # The engines start from other weights (their own seed) than the trainer's.
+    urls = [
+        start_engine_worker(
+            find_node(node),
+            f"j2-rollout-w{i}",
+            [{"index": 1, "shared": False}],
+            TINY,
+            EngineSettings(seed=100 + i),
+        )
+        for i, node in enumerate(("node-a", "node-b"))
+    ]
+    try:
+        ray.get(trainer.ready.remote(), timeout=120)
+        ray.get(trainer.train_step.remote(batch), timeout=120)
+        ray.get(trainer.connect_engines.remote(urls, "127.0.0.1", free_port()), timeout=120)
+        assert ray.get(trainer.push_weights.remote(), timeout=120) == "1"
+        prompt = list(batch[0].prompt_ids)
+        for url in urls:
+            client = EngineClient(url)
+            assert client.weight_version() == "1"
+            result = client.generate(
+                prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 7}, return_logprob=True
+            )
+            assert set(result.token_weight_versions()) == {"1"}
+            sample = Trajectory(
+                prompt_ids=tuple(prompt),
+                response_ids=tuple(result.output_ids),
+                sampling_logprobs=tuple(result.output_logprobs),
+                weight_versions=("1",) * len(result.output_ids),
+                reward=0.0,
+                group_id="check",
+            )
+            [trained] = ray.get(trainer.response_logprobs.remote([sample]), timeout=60)
+            # The engine's own forward on the pushed weights gives the trainer's log-probs.
+            assert torch.allclose(torch.tensor(result.output_logprobs), torch.tensor(trained), atol=1e-4)
+    finally:
+        stop_worker("node-a", "j2-actor-w0")
+        for i, node in enumerate(("node-a", "node-b")):
+            stop_worker(node, f"j2-rollout-w{i}")

@@ -32,6 +32,7 @@ from runtime.engine.cpu_server import CpuEngineServer
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import Trajectory
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
+from runtime.rl.weight_push import WeightPusher
 
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
 KEEP_OUR_DEVICES: Final = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
@@ -91,6 +92,7 @@ class TrainerRankWorker:
         rendezvous = DataParallelRendezvous(store, rank, world_size, generation)
         self._store = store  # rank 0 serves the others' rendezvous for as long as it lives
         self._trainer = Trainer(config, rendezvous)
+        self._pusher: WeightPusher | None = None
 
     def ready(self) -> int:
         return self._trainer.rank
@@ -100,6 +102,22 @@ class TrainerRankWorker:
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         return self._trainer.engine_weights()
+
+    def response_logprobs(self, samples: Sequence[Trajectory]) -> list[list[float]]:
+        return self._trainer.response_logprobs(samples)
+
+    def connect_engines(self, engine_urls: Sequence[str], master_address: str, master_port: int) -> None:
+        """Rank 0: host the weight-update group of the rollout engines at ``engine_urls``."""
+        if self._trainer.rank != 0:
+            raise ValueError("only data-parallel rank 0 pushes weights to the engines")
+        self._pusher = WeightPusher(engine_urls, master_address, master_port)
+
+    def push_weights(self) -> str:
+        """Rank 0: send the current weights to every engine; returns their weight version."""
+        if self._pusher is None:
+            raise ValueError("connect_engines first")
+        self._pusher.push(self._trainer.engine_weights(), self._trainer.weight_version)
+        return self._trainer.weight_version
 
 
 def start_trainer_rank(
