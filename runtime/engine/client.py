@@ -10,6 +10,13 @@ be prefixes of each other. ``make_rid`` builds rids that cannot be: fixed-width 
 terminating ``.``. (A batch sent with one string rid gets SGLang's ``{rid}_{i}`` expansion, where
 ``x_1`` is a prefix of ``x_10``; pass a list of rids instead.)
 
+Input-token log-probs (scoring given tokens, e.g. a reference policy's log-probs of a response):
+``input_logprobs``/``input_logprobs_batch`` send ``/generate`` with ``return_logprob``,
+``max_new_tokens: 0`` and ``logprob_start_len = start - 1``, because SGLang's
+``input_token_logprobs`` row at ``logprob_start_len`` is always ``[None, token, None]`` — the
+log-prob of the token at ``logprob_start_len`` itself is never given — so asking from one
+position earlier and dropping that row yields the log-probs of ``input_ids[start:]``.
+
 Older servers: ``server_info`` and ``loads`` fall back to ``/get_server_info`` and ``/get_load``
 when the newer ``/server_info`` and ``/v1/loads`` answer 404.
 """
@@ -57,6 +64,10 @@ class GenerateResult:
     weight_version: str | None
     weight_versions: list[dict[str, Any]]
     meta_info: dict[str, Any] = field(repr=False)
+    # ``meta_info.input_token_logprobs`` split into its columns (empty unless asked for with
+    # return_logprob; the first value is None, as SGLang gives it).
+    input_token_logprobs: list[float | None] = field(default_factory=list, repr=False)
+    input_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def finish_type(self) -> str:
@@ -82,7 +93,9 @@ class GenerateResult:
     def from_json(cls, payload: dict[str, Any]) -> GenerateResult:
         meta = payload.get("meta_info") or {}
         output_ids = [int(token) for token in payload.get("output_ids") or []]
-        logprob_rows = meta.get("output_token_logprobs") or []
+        # A max_new_tokens=0 request may carry a row for SGLang's dummy (never returned) token.
+        logprob_rows = (meta.get("output_token_logprobs") or [])[: len(output_ids)]
+        input_rows = meta.get("input_token_logprobs") or []
         version = meta.get("weight_version")
         return cls(
             rid=str(meta.get("id", "")),
@@ -95,6 +108,48 @@ class GenerateResult:
             weight_version=None if version is None else str(version),
             weight_versions=list(meta.get("weight_versions") or []),
             meta_info=meta,
+            input_token_logprobs=[None if row[0] is None else float(row[0]) for row in input_rows],
+            input_token_ids=[int(row[1]) for row in input_rows],
+        )
+
+
+@dataclass(frozen=True)
+class InputLogprobs:
+    """Log-probs the engine's current weights give the tokens ``input_ids[start:]`` of a
+    sequence, each conditioned on everything before it (what ``EngineClient.input_logprobs``
+    returns)."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: str | None
+    cached_tokens: int
+
+    @classmethod
+    def from_result(cls, result: GenerateResult, input_ids: list[int], start: int) -> InputLogprobs:
+        """Check the answer of a ``logprob_start_len = start - 1`` request and drop its None row."""
+        expected = input_ids[start - 1 :]
+        if result.aborted:
+            raise EngineError(
+                "/generate", None, f"scoring request {result.rid!r} was aborted: {result.finish_reason}"
+            )
+        if result.input_token_ids != expected or len(result.input_token_logprobs) != len(expected):
+            raise EngineError(
+                "/generate",
+                None,
+                f"input_token_logprobs cover tokens {result.input_token_ids[:8]}... "
+                f"({len(result.input_token_ids)} rows), expected input_ids[{start - 1}:] "
+                f"({len(expected)} tokens): the server does not shape them as SGLang does",
+            )
+        logprobs = result.input_token_logprobs[1:]
+        if any(value is None for value in logprobs):
+            raise EngineError("/generate", None, "input_token_logprobs has None past its first row")
+        return cls(
+            start=start,
+            token_ids=list(input_ids[start:]),
+            logprobs=[float(value) for value in logprobs if value is not None],
+            weight_version=result.weight_version,
+            cached_tokens=result.cached_tokens,
         )
 
 
@@ -168,8 +223,11 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = False,
         timeout_s: float | None = None,
+        logprob_start_len: int | None = None,
     ) -> GenerateResult:
-        body = _generate_body(input_ids, sampling_params, rid, return_logprob)
+        """``logprob_start_len`` (with ``return_logprob``): return ``input_token_logprobs`` from
+        that prompt position on (SGLang's field; None sends nothing: its default -1)."""
+        body = _generate_body(input_ids, sampling_params, rid, return_logprob, logprob_start_len)
         response = self._request("POST", "/generate", body, timeout_s or self.generate_timeout_s)
         return GenerateResult.from_json(response.json())
 
@@ -180,16 +238,59 @@ class EngineClient:
         rids: list[str] | None = None,
         return_logprob: bool = False,
         timeout_s: float | None = None,
+        logprob_start_len: int | list[int] | None = None,
     ) -> list[GenerateResult]:
         """One ``/generate`` call for many prompts; results in the order of ``input_ids``."""
         if not input_ids:
             return []
-        body = _generate_body(input_ids, sampling_params, rids, return_logprob)
+        body = _generate_body(input_ids, sampling_params, rids, return_logprob, logprob_start_len)
         response = self._request("POST", "/generate", body, timeout_s or self.generate_timeout_s)
         payload = response.json()
         if not isinstance(payload, list):
             raise EngineError("/generate", response.status_code, "a batch answer must be a list")
         return [GenerateResult.from_json(item) for item in payload]
+
+    def input_logprobs(
+        self, input_ids: list[int], start: int, rid: str | None = None, timeout_s: float | None = None
+    ) -> InputLogprobs:
+        """Log-probs of ``input_ids[start:]`` under the served weights, each given the tokens
+        before it (one prefill, nothing generated). ``start`` >= 1: the first token has no
+        log-prob. For a prompt + response, ``start = len(prompt)`` scores the response."""
+        _check_start(input_ids, start)
+        result = self.generate(
+            input_ids,
+            {"max_new_tokens": 0},
+            rid=rid,
+            return_logprob=True,
+            timeout_s=timeout_s,
+            logprob_start_len=start - 1,
+        )
+        return InputLogprobs.from_result(result, input_ids, start)
+
+    def input_logprobs_batch(
+        self,
+        input_ids: list[list[int]],
+        starts: list[int],
+        rids: list[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[InputLogprobs]:
+        """:meth:`input_logprobs` for many sequences in one ``/generate`` call, in order."""
+        if len(starts) != len(input_ids):
+            raise ValueError(f"{len(starts)} starts for {len(input_ids)} sequences")
+        for sequence, start in zip(input_ids, starts, strict=True):
+            _check_start(sequence, start)
+        results = self.generate_batch(
+            input_ids,
+            {"max_new_tokens": 0},
+            rids=rids,
+            return_logprob=True,
+            timeout_s=timeout_s,
+            logprob_start_len=[start - 1 for start in starts],
+        )
+        return [
+            InputLogprobs.from_result(result, sequence, start)
+            for result, sequence, start in zip(results, input_ids, starts, strict=True)
+        ]
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort ``rid`` and every request whose rid starts with it (SGLang's prefix rule; a rid
@@ -378,6 +479,7 @@ def _generate_body(
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
     rid: str | list[str] | None,
     return_logprob: bool,
+    logprob_start_len: int | list[int] | None = None,
 ) -> dict[str, Any]:
     """A ``/generate`` request, single or batch (SGLang takes both in the same fields)."""
     body: dict[str, Any] = {
@@ -388,4 +490,14 @@ def _generate_body(
     }
     if rid is not None:
         body["rid"] = rid
+    if logprob_start_len is not None:
+        body["logprob_start_len"] = logprob_start_len
     return body
+
+
+def _check_start(input_ids: list[int], start: int) -> None:
+    if not 1 <= start <= len(input_ids):
+        raise ValueError(
+            f"start must be in [1, {len(input_ids)}] for {len(input_ids)} tokens (the first token has "
+            f"no log-prob), got {start}"
+        )

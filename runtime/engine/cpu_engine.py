@@ -15,8 +15,10 @@ One iteration:
   1. run queued commands (abort, pause, continue, flush, weight updates, release/resume);
   2. admit waiting requests into free KV slots, up to ``max_running_requests``, copying the
      longest cached prefix of each into its slot;
-  3. prefill each newly admitted request (only the tokens the cache did not hold) and sample its
-     next token; then one batched decode step over every other running request;
+  3. prefill each newly admitted request (only the tokens the cache did not hold; with every
+     position's logits when it asks for input-token log-probs) and sample its next token (none
+     for max_new_tokens=0: it finishes there); then one batched decode step over every other
+     running request;
   4. record the sampled tokens, finish requests on a stop id, EOS, ``max_new_tokens`` or the
      context limit, and hand finished requests back (their callbacks run on this thread).
 
@@ -91,6 +93,12 @@ class Sequence:
     params: SamplingParams
     return_logprob: bool
     generator: torch.Generator
+    # First prompt position of ``input_token_logprobs`` (SGLang's logprob_start_len, resolved:
+    # -1 became len-1, or len for max_new_tokens=0); used only when return_logprob is set.
+    logprob_start_len: int = 0
+    # Log-probs of prompt tokens logprob_start_len.. (the first always None, as SGLang gives
+    # it); None until the prompt's prefill computed them.
+    input_logprobs: list[float | None] | None = None
     created_at: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -108,6 +116,16 @@ class Sequence:
 
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Input log-probs are asked for and not computed yet (a retracted request keeps them)."""
+        return self.return_logprob and self.input_logprobs is None
+
+    @property
+    def prefill_only(self) -> bool:
+        """SGLang's ``max_new_tokens == 0``: a prefill, no token sampled or returned."""
+        return self.params.max_new_tokens == 0
 
 
 @dataclass
@@ -177,8 +195,10 @@ class CpuEngine:
         params: SamplingParams,
         return_logprob: bool = False,
         on_done: Callable[[Sequence], None] | None = None,
+        logprob_start_len: int = -1,
     ) -> Sequence:
-        """Queue one request; ``on_done`` runs on the scheduler thread once it finished."""
+        """Queue one request; ``on_done`` runs on the scheduler thread once it finished.
+        ``logprob_start_len`` is SGLang's (see :func:`resolve_logprob_start_len`)."""
         if not input_ids:
             raise EngineRequestError("input_ids cannot be empty")
         out_of_vocab = [token for token in input_ids if not 0 <= token < self.config.vocab_size]
@@ -191,6 +211,9 @@ class CpuEngine:
                 f"the input ({len(input_ids)} tokens) is longer than the model's context "
                 f"({self.config.max_positions} tokens) allows"
             )
+        start = resolve_logprob_start_len(
+            logprob_start_len, len(input_ids), params.max_new_tokens, return_logprob
+        )
         with self._lock:
             if self._stopping:
                 raise EngineRequestError("the engine is shutting down")
@@ -211,6 +234,7 @@ class CpuEngine:
                 params=params,
                 return_logprob=return_logprob,
                 generator=torch.Generator().manual_seed(seed),
+                logprob_start_len=start,
             )
             if on_done is not None:
                 sequence.callbacks.append(on_done)
@@ -220,12 +244,19 @@ class CpuEngine:
         return sequence
 
     def generate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, timeout_s: float = 60.0
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        timeout_s: float = 60.0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any]:
-        """Submit and wait: the SGLang-shaped result of one request."""
+        """Submit and wait: the SGLang-shaped result of one request (with log-probs)."""
         with self._lock:
             rid = rid or f"engine-local-{self._request_counter + 1}"
-        sequence = self.submit(rid, input_ids, params, return_logprob=True)
+        sequence = self.submit(
+            rid, input_ids, params, return_logprob=True, logprob_start_len=logprob_start_len
+        )
         if not sequence.done.wait(timeout_s):
             raise TimeoutError(f"request {rid!r} did not finish within {timeout_s} s")
         assert sequence.result is not None
@@ -624,13 +655,26 @@ class CpuEngine:
         assert self._pool is not None
         pool = self._pool
         sampled: list[tuple[Sequence, int, float]] = []
+        prefilled_only: list[Sequence] = []
         for sequence in admitted:
             tokens = sequence.tokens()
             assert sequence.slot is not None
-            logits = self._model.extend(pool, sequence.slot, tokens[sequence.kv_len :], sequence.kv_len)
+            if sequence.wants_input_logprobs:
+                all_logits = self._model.extend_all_logits(
+                    pool, sequence.slot, tokens[sequence.kv_len :], sequence.kv_len
+                )
+                sequence.input_logprobs = input_token_logprobs(
+                    all_logits, sequence.prompt_ids, sequence.kv_len, sequence.logprob_start_len
+                )
+                logits = all_logits[-1]
+            else:
+                logits = self._model.extend(pool, sequence.slot, tokens[sequence.kv_len :], sequence.kv_len)
             sequence.kv_len = len(tokens)
             self._cache_sequence(sequence)
-            sampled.append((sequence, *sample_token(logits, sequence.params, sequence.generator)))
+            if sequence.prefill_only:
+                prefilled_only.append(sequence)
+            else:
+                sampled.append((sequence, *sample_token(logits, sequence.params, sequence.generator)))
         if decoding:
             logits = self._model.decode(
                 pool,
@@ -645,6 +689,9 @@ class CpuEngine:
             time.sleep(self._forward_sleep_s)
         now = time.monotonic()
         with self._lock:
+            for sequence in prefilled_only:
+                if sequence.finish_reason is None:  # not aborted while its prefill ran
+                    self._finish(sequence, {"type": "length", "length": 0})
             for sequence, token, logprob in sampled:
                 self._record_token(sequence, token, logprob)
             self.counters.prefills += len(admitted)
@@ -665,7 +712,16 @@ class CpuEngine:
             sequence.slot = self._free_slots.pop()
             tokens = sequence.tokens()
             # At least the last token must be computed: its logits give the next token.
-            match = self.prefix_cache.match(tokens, max_tokens=len(tokens) - 1)
+            usable = len(tokens) - 1
+            if sequence.wants_input_logprobs:
+                # Input log-probs need the logits of every position from logprob_start_len on,
+                # so the cache may serve only the KV before it (SGLang caps its prefix match the
+                # same way); the rest is recomputed, attending to the cached KV, which holds the
+                # same values a full prefill would write. Keeping per-position log-probs in the
+                # cache instead would tie them to its blocks and to one weight version for no
+                # gain here: the recomputed span is what the caller asked to be scored.
+                usable = min(usable, sequence.logprob_start_len)
+            match = self.prefix_cache.match(tokens, max_tokens=usable)
             for index, block_kv in enumerate(match.kv_blocks):
                 self._pool.write_span(sequence.slot, index * self.prefix_cache.block_size, block_kv)
             sequence.kv_len = match.tokens
@@ -766,6 +822,48 @@ def weight_version_spans(versions: list[str]) -> list[dict[str, Any]]:
     return spans
 
 
+def resolve_logprob_start_len(
+    requested: int, prompt_len: int, max_new_tokens: int, return_logprob: bool
+) -> int:
+    """SGLang's reading of ``logprob_start_len`` (scheduler.handle_generate_request): -1 (the
+    default) or no return_logprob means only the last prompt token (len-1, whose row is None),
+    or no prompt token at all (len) for a prefill-only request (max_new_tokens=0). Otherwise it
+    must lie inside the prompt, except that a prefill-only request may start at or past its end
+    (no input rows). Values below -1 are refused here (SGLang does not check them)."""
+    if isinstance(requested, bool) or not isinstance(requested, int):
+        raise EngineRequestError(f"logprob_start_len must be an integer, got {requested!r}")
+    if requested < -1:
+        raise EngineRequestError(f"logprob_start_len must be -1 or a prompt position >= 0, got {requested}")
+    prefill_only = max_new_tokens == 0
+    if requested == -1 or not return_logprob:
+        return prompt_len if prefill_only else prompt_len - 1
+    if requested >= prompt_len and not prefill_only:
+        raise EngineRequestError(
+            f"logprob_start_len={requested} is higher than the number of input tokens "
+            f"({prompt_len}); use a smaller logprob_start_len"
+        )
+    return min(requested, prompt_len)
+
+
+def input_token_logprobs(
+    logits: torch.Tensor, tokens: list[int], first_position: int, start: int
+) -> list[float | None]:
+    """Log-probs of ``tokens[start:]`` shaped as SGLang's ``input_token_logprobs`` values: the
+    first is None (SGLang always pads the row at logprob_start_len, even when start > 0), then
+    log p(tokens[j] | tokens[:j]) for j > start. ``logits`` are those of positions
+    first_position.. (row i predicts the token after position first_position+i); the caller
+    made sure first_position <= start."""
+    if start >= len(tokens):
+        return []
+    assert first_position <= start, "the prefix cache served positions whose log-probs are asked for"
+    targets = torch.tensor(tokens[start + 1 :], dtype=torch.long)
+    rows = logits[start - first_position : len(tokens) - 1 - first_position].float()
+    picked = torch.log_softmax(rows, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    values: list[float | None] = [None]
+    values.extend(float(value) for value in picked.tolist())
+    return values
+
+
 def build_generate_result(sequence: Sequence, current_version: str) -> dict[str, Any]:
     """One ``/generate`` answer shaped as SGLang shapes it for token-id input (no text: the CPU
     engine has no tokenizer)."""
@@ -783,6 +881,15 @@ def build_generate_result(sequence: Sequence, current_version: str) -> dict[str,
         "e2e_latency": finished_at - sequence.created_at,
     }
     if sequence.return_logprob:
+        # Empty when the request ended (aborted) before its prompt was prefilled.
+        meta_info["input_token_logprobs"] = [
+            [logprob, token, None]
+            for logprob, token in zip(
+                sequence.input_logprobs or [],
+                sequence.prompt_ids[sequence.logprob_start_len :],
+                strict=False,
+            )
+        ]
         meta_info["output_token_logprobs"] = [
             [logprob, token, None]
             for logprob, token in zip(sequence.output_logprobs, sequence.output_ids, strict=True)

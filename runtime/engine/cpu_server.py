@@ -8,6 +8,9 @@ the package docstring for the version read). Differences a caller can notice:
 - generation while the engine's memory is released is refused with 400 instead of hanging;
 - a client that disconnects does not abort its request (call ``/abort_request``).
 
+``/generate`` takes ``return_logprob``, ``logprob_start_len`` and ``max_new_tokens: 0`` as SGLang
+does (see the package docstring for the semantics and the source read).
+
 Run standalone: ``python -m runtime.engine.cpu_server --port 0 --config '{"vocab_size": ...}'``
 prints one JSON line ``{"url": ...}`` once it listens, then serves until terminated.
 """
@@ -67,10 +70,19 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def parse_generate_body(
-    body: dict[str, Any],
-) -> tuple[bool, list[tuple[str, list[int], SamplingParams, bool]]]:
-    """(is_single, [(rid, input_ids, sampling params, return_logprob)]) from a /generate body."""
+@dataclasses.dataclass(frozen=True)
+class GenerateItem:
+    """One request of a /generate body, after SGLang's batch normalisation."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # SGLang's default: no input-token log-probs but the last
+
+
+def parse_generate_body(body: dict[str, Any]) -> tuple[bool, list[GenerateItem]]:
+    """(is_single, the requests) from a /generate body."""
     if body.get("text") is not None or body.get("input_embeds") is not None:
         raise EngineRequestError("the CPU engine takes input_ids only (it has no tokenizer)")
     if body.get("stream"):
@@ -104,7 +116,17 @@ def parse_generate_body(
     logprobs = [
         bool(flag) for flag in _per_item(body.get("return_logprob") or False, count, "return_logprob")
     ]
-    return is_single, list(zip(rids, batch, params, logprobs, strict=True))
+    raw_starts = body.get("logprob_start_len")
+    starts = _per_item(-1 if raw_starts is None else raw_starts, count, "logprob_start_len")
+    for start in starts:
+        # Range checks need the prompt and max_new_tokens: the engine makes them on submit.
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise EngineRequestError(
+                f"logprob_start_len must be an integer (or a list of them), got {start!r}"
+            )
+    return is_single, [
+        GenerateItem(*fields) for fields in zip(rids, batch, params, logprobs, starts, strict=True)
+    ]
 
 
 def build_app(engine: CpuEngine) -> FastAPI:
@@ -127,9 +149,7 @@ def build_app(engine: CpuEngine) -> FastAPI:
     async def bad_json(_: Request, error: json.JSONDecodeError) -> JSONResponse:
         return _error(f"the request body is not JSON: {error}")
 
-    async def submit_and_wait(
-        items: list[tuple[str, list[int], SamplingParams, bool]],
-    ) -> list[dict[str, Any]]:
+    async def submit_and_wait(items: list[GenerateItem]) -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[dict[str, Any]]] = []
         submitted: list[str] = []
@@ -147,11 +167,18 @@ def build_app(engine: CpuEngine) -> FastAPI:
             return on_done
 
         try:
-            for rid, input_ids, params, return_logprob in items:
+            for item in items:
                 future: asyncio.Future[dict[str, Any]] = loop.create_future()
-                engine.submit(rid, input_ids, params, return_logprob, on_done=resolver(future))
+                engine.submit(
+                    item.rid,
+                    item.input_ids,
+                    item.params,
+                    item.return_logprob,
+                    on_done=resolver(future),
+                    logprob_start_len=item.logprob_start_len,
+                )
                 futures.append(future)
-                submitted.append(rid)
+                submitted.append(item.rid)
         except EngineRequestError:
             # A batch is accepted whole or not at all.
             for rid in submitted:
@@ -299,11 +326,10 @@ def build_app(engine: CpuEngine) -> FastAPI:
             await asyncio.wait_for(
                 submit_and_wait(
                     [
-                        (
+                        GenerateItem(
                             f"HEALTH_CHECK_{time.time()}",
                             [0],
                             SamplingParams(max_new_tokens=1, temperature=0.0),
-                            False,
                         )
                     ]
                 ),

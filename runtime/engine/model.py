@@ -125,6 +125,20 @@ class GPT(nn.Module):
         """Prefill ``token_ids`` at positions start.. of one slot whose positions < start are
         already in the pool (a prefix-cache hit or earlier work). Returns the logits of the last
         token, [vocab]."""
+        hidden = self._extend_hidden(pool, slot, token_ids, start)
+        logits: torch.Tensor = self.lm_head(self.ln_f(hidden[-1]))
+        return logits
+
+    @torch.no_grad()
+    def extend_all_logits(self, pool: KvPool, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """As :meth:`extend`, but the logits of every extended token, [len(token_ids), vocab]:
+        row i predicts the token after position start+i (input-token log-probs need them all)."""
+        hidden = self._extend_hidden(pool, slot, token_ids, start)
+        logits: torch.Tensor = self.lm_head(self.ln_f(hidden))
+        return logits
+
+    def _extend_hidden(self, pool: KvPool, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """The final hidden states [len(token_ids), H] of a prefill, writing its KV into the slot."""
         length = len(token_ids)
         end = start + length
         tokens = torch.tensor(token_ids, dtype=torch.long).unsqueeze(0)
@@ -142,8 +156,8 @@ class GPT(nn.Module):
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
             x = x + block.attn.merge_heads(attended)
             x = x + block.mlp(block.ln2(x))
-        logits: torch.Tensor = self.lm_head(self.ln_f(x[0, -1]))
-        return logits
+        hidden: torch.Tensor = x[0]
+        return hidden
 
     @torch.no_grad()
     def decode(
