@@ -104,6 +104,10 @@ def test_the_trainer_pushes_its_weights_to_engines_on_other_nodes_which_then_gen
             [trained] = ray.get(trainer.response_logprobs.remote([sample]), timeout=60)
             # The engine's own forward on the pushed weights gives the trainer's log-probs.
             assert torch.allclose(torch.tensor(result.output_logprobs), torch.tensor(trained), atol=1e-4)
+            # As an `inference` worker it scores a whole response the same way (reference log-probs).
+            scored = client.input_logprobs([*prompt, *result.output_ids], start=len(prompt))
+            assert scored.token_ids == result.output_ids and scored.weight_version == "1"
+            assert torch.allclose(torch.tensor(scored.logprobs), torch.tensor(trained), atol=1e-4)
     finally:
         stop_worker("node-a", "j2-actor-w0")
         for i, node in enumerate(("node-a", "node-b")):
