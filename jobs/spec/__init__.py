@@ -28,6 +28,7 @@ The modules, each importing only those listed before it:
 - ``components``: a component's draft and the checks across components;
 - ``policy``: the policy name and parameters checked against the policy registry;
 - ``workload``: the workload reader both formats share, and trace paths;
+- ``runtime``: the ``runtime`` section of a job on the ``ray`` backend, and its rules;
 - ``dynarl`` and ``rlinf``: the two formats;
 - ``parse``: the entry points, which recognise the format.
 
@@ -58,6 +59,8 @@ from jobs.spec.model import (
     JobSpec,
     ModelSpec,
     PolicySpec,
+    RuntimeModelSpec,
+    RuntimeSpec,
     WorkloadSpec,
 )
 from jobs.spec.parse import parse_spec, parse_spec_file
@@ -80,6 +83,8 @@ __all__ = [
     "ModelSpec",
     "PolicySpec",
     "RankError",
+    "RuntimeModelSpec",
+    "RuntimeSpec",
     "SpecError",
     "WorkloadSpec",
     "check_document_bounds",

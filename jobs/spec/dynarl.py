@@ -23,6 +23,7 @@ from jobs.spec.model import (
 )
 from jobs.spec.policy import check_policy
 from jobs.spec.ranks import parse_gpu_ranks
+from jobs.spec.runtime import read_runtime
 from jobs.spec.sections import INTEGER_MAX, Section
 from jobs.spec.values import describe, is_int
 from jobs.spec.workload import read_workload
@@ -37,6 +38,7 @@ TOP_LEVEL_KEYS: Final = (
     "components",
     "policy",
     "tick_seconds",
+    "runtime",
 )
 MODEL_KEYS: Final = ("name", "params_b")
 WORKLOAD_KEYS: Final = (
@@ -105,6 +107,7 @@ def parse_dynarl(document: Mapping[Any, Any], *, cluster_gpus: int | None) -> Jo
             _read_policy(policy_section) if policy_section is not None else (None, None)
         )
     drafts = _read_components(top, cluster_gpus)
+    runtime_ok, runtime = read_runtime(top, backend=backend, workload=workload, drafts=drafts)
 
     check_components(
         drafts, policy_name=policy_name, cluster_gpus=cluster_gpus, problems=problems, paths=_DynarlPaths()
@@ -119,6 +122,7 @@ def parse_dynarl(document: Mapping[Any, Any], *, cluster_gpus: int | None) -> Jo
         params_path="policy.params",
     )
     problems.raise_if_any()
+    assert runtime_ok
     assert name is not None and priority is not None and backend is not None and tick_seconds is not None
     assert (
         model is not None and workload is not None and policy_name is not None and policy_params is not None
@@ -133,6 +137,7 @@ def parse_dynarl(document: Mapping[Any, Any], *, cluster_gpus: int | None) -> Jo
         policy=PolicySpec(name=policy_name, params=policy_params),
         tick_seconds=tick_seconds,
         source_format="dynarl",
+        runtime=runtime,
     )
 
 

@@ -87,6 +87,69 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True)
+class RuntimeModelSpec:
+    """The policy network of a job on the ``ray`` backend: a small GPT (megatron-core GPTModel)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: int = 256
+    max_positions: int = 256
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "max_positions": self.max_positions,
+        }
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """What a job on the ``ray`` backend really runs (``runtime`` in the spec): the model, the
+    arithmetic task's size distribution and the training settings. The batch shape and the number
+    of iterations are the workload's."""
+
+    model: RuntimeModelSpec = field(default_factory=RuntimeModelSpec)
+    max_digits: int = 4  # problem sizes: P(n digits) ~ n ** -zipf_exponent on 1..max_digits
+    zipf_exponent: float = 1.2
+    seed: int = 0
+    temperature: float = 1.0
+    learning_rate: float = 1e-3
+    kl_coef: float = 0.0
+    micro_batch_size: int = 8
+    warm_start_steps: int = 200
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_json(),
+            "task": {"max_digits": self.max_digits, "zipf_exponent": self.zipf_exponent},
+            "seed": self.seed,
+            "temperature": self.temperature,
+            "learning_rate": self.learning_rate,
+            "kl_coef": self.kl_coef,
+            "micro_batch_size": self.micro_batch_size,
+            "warm_start_steps": self.warm_start_steps,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RuntimeSpec:
+        return cls(
+            model=RuntimeModelSpec(**{k: int(v) for k, v in data["model"].items()}),
+            max_digits=int(data["task"]["max_digits"]),
+            zipf_exponent=float(data["task"]["zipf_exponent"]),
+            seed=int(data["seed"]),
+            temperature=float(data["temperature"]),
+            learning_rate=float(data["learning_rate"]),
+            kl_coef=float(data["kl_coef"]),
+            micro_batch_size=int(data["micro_batch_size"]),
+            warm_start_steps=int(data["warm_start_steps"]),
+        )
+
+
+@dataclass(frozen=True)
 class ComponentSpec:
     """One component (one WorkerGroup) at job start.
 
@@ -184,6 +247,7 @@ class JobSpec:
     policy: PolicySpec = field(default_factory=PolicySpec)
     tick_seconds: float = 1.0
     source_format: str = "dynarl"  # one of SOURCE_FORMATS
+    runtime: RuntimeSpec | None = None  # only on the ray backend, which runs the job for real
 
     @property
     def total_gpus(self) -> int:
@@ -218,6 +282,7 @@ class JobSpec:
             "components": [c.to_json() for c in self.components],
             "policy": self.policy.to_json(),
             "tick_seconds": self.tick_seconds,
+            **({"runtime": self.runtime.to_json()} if self.runtime is not None else {}),
         }
 
     @classmethod
@@ -236,4 +301,5 @@ class JobSpec:
             policy=PolicySpec.from_json(data["policy"]),
             tick_seconds=float(data["tick_seconds"]),
             source_format=data["source_format"],
+            runtime=RuntimeSpec.from_json(data["runtime"]) if data.get("runtime") is not None else None,
         )

@@ -301,6 +301,12 @@ def translate_rlinf(document: Mapping[Any, Any], *, cluster_gpus: int | None = N
         param_path=param_path,
         params_path="dynarl.policy_params" if overrides.section.has("policy_params") else name_path,
     )
+    if overrides.backend == "ray":
+        # A real job needs dynarl's runtime section (model, task, training), which RLinf's config lacks.
+        problems.add(
+            "dynarl.backend",
+            "jobs on the ray backend are written in dynarl's format (with its runtime section)",
+        )
     problems.raise_if_any()
     assert name is not None and model is not None and workload is not None and policy_name is not None
     assert policy_params is not None and tick_seconds is not None

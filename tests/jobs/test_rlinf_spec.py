@@ -644,7 +644,7 @@ def test_the_dynarl_section_overrides_what_rlinf_does_not_say() -> None:
     document["dynarl"] = {
         "name": "renamed",
         "priority": 3,
-        "backend": "ray",
+        "backend": "sim",
         "tick_seconds": 0.5,
         "workload_kind": "agentic",
         "staleness": 2,
@@ -653,7 +653,7 @@ def test_the_dynarl_section_overrides_what_rlinf_does_not_say() -> None:
         "policy": "bidirectional",
     }
     parsed = parse_spec(document)
-    assert (parsed.name, parsed.priority, parsed.backend, parsed.tick_seconds) == ("renamed", 3, "ray", 0.5)
+    assert (parsed.name, parsed.priority, parsed.backend, parsed.tick_seconds) == ("renamed", 3, "sim", 0.5)
     assert parsed.workload.kind == "agentic"
     assert (parsed.workload.staleness, parsed.workload.trace, parsed.workload.max_turns) == (
         2,
@@ -747,4 +747,13 @@ def test_several_rlinf_problems_are_reported_together() -> None:
     assert (
         "range 14-17 exceeds the cluster's 16 GPUs"
         in _messages_at(errors, "cluster.component_placement.inference")[0]
+    )
+
+
+def test_a_ray_job_must_be_written_in_dynarls_format() -> None:
+    """RLinf's config has no place for the runtime (model, task, training) a real job runs."""
+    document = _config()
+    document["dynarl"] = {"backend": "ray"}
+    assert _messages_at(_errors(document), "dynarl.backend")[0].startswith(
+        "jobs on the ray backend are written"
     )

@@ -21,6 +21,8 @@ from jobs.spec import (
     ModelSpec,
     PolicySpec,
     RankError,
+    RuntimeModelSpec,
+    RuntimeSpec,
     SpecError,
     WorkloadSpec,
     format_gpu_ranks,
@@ -298,6 +300,19 @@ def _every_field_set() -> JobSpec:
         policy=PolicySpec(name="bidirectional", params={"a": 1, "b": 0.5, "c": True}),
         tick_seconds=0.25,
         source_format="rlinf",
+        runtime=RuntimeSpec(
+            model=RuntimeModelSpec(
+                hidden_size=48, num_layers=3, num_heads=6, ffn_hidden_size=96, max_positions=512
+            ),
+            max_digits=7,
+            zipf_exponent=0.8,
+            seed=11,
+            temperature=0.7,
+            learning_rate=3e-4,
+            kl_coef=0.05,
+            micro_batch_size=4,
+            warm_start_steps=50,
+        ),
     )
 
 

@@ -1,0 +1,158 @@
+"""The ``runtime`` section: what a job on the ``ray`` backend really runs.
+
+A job on the ``sim`` backend is a model of a job; a job on ``ray`` runs: a small GPT policy trained
+with GRPO on a synthetic arithmetic task (``runtime/`` and docs/ray-backend.md). This section sizes
+that model and task and sets the training; the workload gives the batch shape and the iterations.
+It is refused on the ``sim`` backend, and on ``ray`` every value and every cross-field rule is
+checked here, so a job the runtime cannot run is a 400 naming the field, not a failed job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from jobs.spec.components import Draft
+from jobs.spec.model import RuntimeModelSpec, RuntimeSpec, WorkloadSpec
+from jobs.spec.sections import Section
+from scheduler.core.hypergraph import ComponentKind
+
+RUNTIME_KEYS: Final = (
+    "model",
+    "task",
+    "seed",
+    "temperature",
+    "learning_rate",
+    "kl_coef",
+    "micro_batch_size",
+    "warm_start_steps",
+)
+RUNTIME_MODEL_KEYS: Final = ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_positions")
+TASK_KEYS: Final = ("max_digits", "zipf_exponent")
+RAY_KINDS: Final = (ComponentKind.ROLLOUT, ComponentKind.INFERENCE, ComponentKind.REWARD, ComponentKind.ACTOR)
+# Bounds that keep a job a small model on the hosts' CPUs or GPUs, not a mistake that runs for days.
+MAX_HIDDEN: Final = 4096
+MAX_LAYERS: Final = 48
+MAX_POSITIONS: Final = 8192
+MAX_DIGITS: Final = 64
+
+
+def prompt_tokens(max_digits: int) -> int:
+    """The longest prompt of the task: BOS, two operands, '+' and a newline."""
+    return 2 * max_digits + 3
+
+
+def read_runtime(
+    top: Section,
+    *,
+    backend: str | None,
+    workload: WorkloadSpec | None,
+    drafts: Sequence[Draft],
+) -> tuple[bool, RuntimeSpec | None]:
+    """``(ok, runtime)``: the section read (its defaults when a ``ray`` job leaves it out), None
+    for a ``sim`` job; ``ok`` is False when a problem was reported."""
+    if backend != "ray":
+        if top.has("runtime"):
+            top.fail("runtime", f"only applies to jobs on the ray backend (backend is {backend!r})")
+            return False, None
+        return True, None
+    before = len(top.problems.errors)
+    section = top.mapping("runtime") if top.has("runtime") else None
+    defaults = RuntimeSpec()
+    model = RuntimeModelSpec()
+    runtime = defaults
+    if section is not None:
+        section.reject_unknown(RUNTIME_KEYS)
+        model_section = section.mapping("model")
+        if model_section is not None:
+            model = _read_model(model_section) or model
+        task = section.mapping("task")
+        max_digits = defaults.max_digits
+        zipf = defaults.zipf_exponent
+        if task is not None:
+            task.reject_unknown(TASK_KEYS)
+            max_digits = task.integer("max_digits", defaults.max_digits, minimum=1, maximum=MAX_DIGITS) or 1
+            zipf = task.number("zipf_exponent", defaults.zipf_exponent, above=0.0, maximum=16.0) or 1.0
+        runtime = RuntimeSpec(
+            model=model,
+            max_digits=max_digits,
+            zipf_exponent=zipf,
+            seed=section.integer("seed", defaults.seed, minimum=0, maximum=2**31 - 1) or 0,
+            temperature=section.number("temperature", defaults.temperature, above=0.0, maximum=10.0) or 1.0,
+            learning_rate=section.number("learning_rate", defaults.learning_rate, above=0.0, maximum=1.0)
+            or 1.0,
+            kl_coef=section.number("kl_coef", defaults.kl_coef, minimum=0.0, maximum=100.0) or 0.0,
+            micro_batch_size=section.integer("micro_batch_size", defaults.micro_batch_size, minimum=1) or 1,
+            warm_start_steps=section.integer(
+                "warm_start_steps", defaults.warm_start_steps, minimum=0, maximum=1_000_000
+            )
+            or 0,
+        )
+    _check_job(top, runtime, workload, drafts)
+    ok = len(top.problems.errors) == before
+    return ok, runtime if ok else None
+
+
+def _read_model(section: Section) -> RuntimeModelSpec | None:
+    section.reject_unknown(RUNTIME_MODEL_KEYS)
+    default = RuntimeModelSpec()
+    hidden = section.integer("hidden_size", default.hidden_size, minimum=8, maximum=MAX_HIDDEN)
+    layers = section.integer("num_layers", default.num_layers, minimum=1, maximum=MAX_LAYERS)
+    heads = section.integer("num_heads", default.num_heads, minimum=1, maximum=128)
+    ffn = section.integer("ffn_hidden_size", default.ffn_hidden_size, minimum=8, maximum=4 * MAX_HIDDEN)
+    positions = section.integer("max_positions", default.max_positions, minimum=16, maximum=MAX_POSITIONS)
+    if hidden is None or layers is None or heads is None or ffn is None or positions is None:
+        return None
+    if hidden % heads:
+        section.fail("hidden_size", f"must be a multiple of num_heads ({heads}), got {hidden}")
+        return None
+    return RuntimeModelSpec(
+        hidden_size=hidden, num_layers=layers, num_heads=heads, ffn_hidden_size=ffn, max_positions=positions
+    )
+
+
+def _check_job(
+    top: Section, runtime: RuntimeSpec, workload: WorkloadSpec | None, drafts: Sequence[Draft]
+) -> None:
+    """The rules across sections that the runtime relies on."""
+    problems = top.problems
+    for draft in drafts:
+        if draft.kind is not None and draft.kind not in RAY_KINDS:
+            problems.add(
+                f"components[{draft.index}].kind",
+                f"the ray runtime runs {', '.join(k.value for k in RAY_KINDS)} components, not {draft.kind.value!r}",
+            )
+    kinds = {draft.kind for draft in drafts}
+    if ComponentKind.REWARD not in kinds:
+        problems.add(
+            "components", "a job on the ray backend needs a reward component (its reward workers score)"
+        )
+    if runtime.kl_coef > 0 and ComponentKind.INFERENCE not in kinds:
+        problems.add(
+            "runtime.kl_coef" if top.has("runtime") else "components",
+            "a KL penalty needs an inference component to serve the reference policy's log-probs",
+        )
+    if workload is None:
+        return
+    if workload.kind != "math":
+        problems.add("workload.kind", f"the ray runtime runs math workloads, not {workload.kind!r}")
+    if workload.staleness:
+        problems.add("workload.staleness", "the ray runtime trains synchronously: staleness must be 0")
+    longest = prompt_tokens(runtime.max_digits) + workload.max_new_tokens
+    if longest > runtime.model.max_positions:
+        problems.add(
+            "workload.max_new_tokens",
+            f"the longest prompt ({prompt_tokens(runtime.max_digits)} tokens at runtime.task.max_digits="
+            f"{runtime.max_digits}) plus {workload.max_new_tokens} new tokens exceeds "
+            f"runtime.model.max_positions ({runtime.model.max_positions})",
+        )
+    batch = workload.samples_per_iteration
+    for draft in drafts:
+        if draft.kind is ComponentKind.ACTOR and draft.worker_count:
+            sizes = sorted({draft.worker_count, *(draft.valid_dp or ())})
+            if bad := [size for size in sizes if batch % size]:
+                problems.add(
+                    f"components[{draft.index}]",
+                    f"the global batch ({batch} samples: prompts_per_iteration x samples_per_prompt) must "
+                    f"split evenly over the trainer's data-parallel sizes; it does not over {bad}",
+                )

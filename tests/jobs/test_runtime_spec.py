@@ -1,0 +1,129 @@
+"""The ``runtime`` section of a job on the ray backend: defaults, values, and the rules across
+sections the runtime relies on, each refused with the field at fault."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jobs.spec import RuntimeModelSpec, RuntimeSpec, SpecError, parse_spec
+
+
+def _ray_job(**changes: Any) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "name": "real-math",
+        "backend": "ray",
+        "model": {"name": "tiny-gpt", "params_b": 0.0001},
+        "workload": {
+            "iterations": 4,
+            "prompts_per_iteration": 8,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 64,
+        },
+        "components": [
+            {"name": "rollout", "kind": "rollout", "workers": 2},
+            {"name": "reward", "kind": "reward", "workers": 1},
+            {"name": "actor", "kind": "actor", "workers": 2, "depends_on": ["rollout", "reward"]},
+        ],
+        "policy": {"name": "static-disaggregated"},
+    }
+    document.update(changes)
+    return document
+
+
+def _errors(document: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(document)
+    return {error.path: error.message for error in caught.value.errors}
+
+
+def test_a_ray_job_without_a_runtime_section_runs_the_defaults() -> None:
+    spec = parse_spec(_ray_job())
+    assert spec.runtime == RuntimeSpec()
+    assert spec.to_json()["runtime"]["model"]["hidden_size"] == RuntimeModelSpec().hidden_size
+
+
+def test_the_runtime_section_is_read_and_stored() -> None:
+    runtime = {
+        "model": {
+            "hidden_size": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "ffn_hidden_size": 64,
+            "max_positions": 128,
+        },
+        "task": {"max_digits": 3, "zipf_exponent": 2.0},
+        "seed": 5,
+        "temperature": 0.8,
+        "learning_rate": 0.002,
+        "kl_coef": 0.0,
+        "micro_batch_size": 4,
+        "warm_start_steps": 30,
+    }
+    spec = parse_spec(_ray_job(runtime=runtime))
+    assert spec.runtime is not None
+    assert spec.runtime.model == RuntimeModelSpec(32, 1, 2, 64, 128)
+    assert (spec.runtime.max_digits, spec.runtime.seed, spec.runtime.warm_start_steps) == (3, 5, 30)
+    assert spec.to_json()["runtime"] == runtime
+
+
+def test_a_sim_job_has_no_runtime() -> None:
+    errors = _errors(_ray_job(backend="sim", runtime={"seed": 1}))
+    assert errors["runtime"].startswith("only applies to jobs on the ray backend")
+    assert parse_spec(_ray_job(backend="sim")).runtime is None
+
+
+@pytest.mark.parametrize(
+    ("runtime", "path", "start"),
+    [
+        (
+            {"model": {"hidden_size": 30, "num_heads": 4}},
+            "runtime.model.hidden_size",
+            "must be a multiple of",
+        ),
+        ({"model": {"num_layers": 0}}, "runtime.model.num_layers", "must be at least 1"),
+        ({"task": {"max_digits": 0}}, "runtime.task.max_digits", "must be at least 1"),
+        ({"task": {"digits": 3}}, "runtime.task.digits", "unknown key"),
+        ({"temperature": 0}, "runtime.temperature", "must be greater than 0"),
+        ({"learning_rate": "fast"}, "runtime.learning_rate", "must be a number"),
+        ({"micro_batch_size": 0}, "runtime.micro_batch_size", "must be at least 1"),
+        ({"optimizer": "sgd"}, "runtime.optimizer", "unknown key"),
+        ({"kl_coef": 0.1}, "runtime.kl_coef", "a KL penalty needs an inference component"),
+    ],
+)
+def test_bad_runtime_values_name_the_field(runtime: dict[str, Any], path: str, start: str) -> None:
+    errors = _errors(_ray_job(runtime=runtime))
+    assert path in errors, errors
+    assert errors[path].lower().startswith(start.lower()) or start.lower() in errors[path].lower()
+
+
+def test_the_runtime_rules_across_sections() -> None:
+    document = _ray_job(
+        workload={
+            "kind": "agentic",
+            "iterations": 2,
+            "prompts_per_iteration": 3,
+            "samples_per_prompt": 1,
+            "max_new_tokens": 300,
+            "staleness": 1,
+        },
+        components=[
+            {"name": "rollout", "kind": "rollout", "workers": 1},
+            {"name": "tools", "kind": "tool", "workers": 1},
+            {"name": "actor", "kind": "actor", "workers": 2},
+        ],
+    )
+    errors = _errors(document)
+    assert errors["components[1].kind"].startswith("the ray runtime runs rollout, inference, reward, actor")
+    assert errors["components"].startswith("a job on the ray backend needs a reward component")
+    assert errors["workload.kind"].startswith("the ray runtime runs math workloads")
+    assert errors["workload.staleness"].startswith("the ray runtime trains synchronously")
+    assert "exceeds runtime.model.max_positions (256)" in errors["workload.max_new_tokens"]
+    assert "does not over [2]" in errors["components[2]"]
+
+
+def test_a_kl_penalty_with_an_inference_component_is_accepted() -> None:
+    components = [*_ray_job()["components"], {"name": "reference", "kind": "inference", "workers": 1}]
+    spec = parse_spec(_ray_job(components=components, runtime={"kl_coef": 0.05}))
+    assert spec.runtime is not None and spec.runtime.kl_coef == 0.05
