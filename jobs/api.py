@@ -36,8 +36,9 @@ from common.bodies import read_limited
 from jobs import services
 from jobs.filters import JobFilter, WorkerGroupFilter
 from jobs.models import Job, WorkerGroup
-from jobs.selectors import jobs_with_gpus, with_allocation
+from jobs.selectors import iteration_results, jobs_with_gpus, with_allocation
 from jobs.serializers import (
+    IterationResultSerializer,
     JobActionSerializer,
     JobDetailSerializer,
     JobSerializer,
@@ -290,6 +291,18 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job, detail = self._action_target(request)
         services.resume_scheduling(job.pk, Actor.for_user(request.user), detail)
         return self._detail(job.pk)
+
+    @extend_schema(
+        summary="A real job's results per iteration",
+        responses={200: IterationResultSerializer(many=True)},
+    )
+    @action(detail=True, methods=["get"], url_path="iterations", filter_backends=[])
+    def iterations(self, request: Request, pk: str | None = None) -> Response:
+        """Each iteration's result of a job that really runs (the ray backend), oldest first: mean
+        reward, accuracy, response lengths, tokens and phase times as its driver measured them.
+        Empty for a simulated job."""
+        job = self.get_object()
+        return Response(IterationResultSerializer(iteration_results(job), many=True).data)
 
     def _action_target(self, request: Request) -> tuple[Job, str]:
         job = self.get_object()

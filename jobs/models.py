@@ -199,3 +199,22 @@ class Worker(models.Model):
 
     def check_transition(self, target: str) -> None:
         check_transition("worker", WORKER_TRANSITIONS, self.state, target)
+
+
+class IterationResult(models.Model):
+    """What one iteration of a job that really runs (the ``ray`` backend) measured, as its driver
+    reported it: mean reward and accuracy, response lengths, tokens, and the time of each phase."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="iteration_results")
+    iteration = models.PositiveIntegerField()
+    mean_reward = models.FloatField(help_text="mean reward of the iteration's samples")
+    metrics = models.JSONField(help_text="the driver's report of the iteration, as it sent it")
+    node = models.CharField(max_length=200, help_text="the node whose agent reported it first")
+    recorded_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "iteration"]
+        constraints = [models.UniqueConstraint(fields=["job", "iteration"], name="iteration_result_once")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}#{self.iteration}: reward {self.mean_reward:.3f}"

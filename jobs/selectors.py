@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db.models import Count, Prefetch, QuerySet
 
 from cluster.models import Device
-from jobs.models import CURRENT_WORKER_STATES, Job, Worker, WorkerGroup
+from jobs.models import CURRENT_WORKER_STATES, IterationResult, Job, Worker, WorkerGroup
 
 
 def with_allocation(groups: QuerySet[WorkerGroup]) -> QuerySet[WorkerGroup]:
@@ -28,3 +28,8 @@ def jobs_with_gpus() -> QuerySet[Job]:
     return Job.objects.select_related("owner").annotate(
         allocated_gpus=Count("groups__workers__devices", distinct=True)
     )
+
+
+def iteration_results(job: Job) -> QuerySet[IterationResult]:
+    """A real job's iteration results, oldest first."""
+    return IterationResult.objects.filter(job=job).order_by("iteration")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from cluster.models import Device
-from jobs.models import Job, JobTransition, Worker, WorkerGroup
+from jobs.models import IterationResult, Job, JobTransition, Worker, WorkerGroup
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -172,3 +172,12 @@ class JobActionSerializer(serializers.Serializer):
         default="",
         help_text="why; kept with the transition",
     )
+
+
+class IterationResultSerializer(serializers.ModelSerializer):
+    """One iteration of a real job as its driver measured it."""
+
+    class Meta:
+        model = IterationResult
+        fields = ("iteration", "mean_reward", "metrics", "node", "recorded_at")
+        read_only_fields = fields

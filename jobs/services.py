@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from jobs import agent_commands
 from jobs.admission import admit_pending
 from jobs.models import (
     LIVE_WORKER_STATES,
+    IterationResult,
     Job,
     JobReason,
     JobState,
@@ -188,3 +189,39 @@ def resume_scheduling(job_id: int, actor: Actor, detail: str = "") -> Job:
         job = _locked(job_id)
         transition(job, JobState.RUNNING, JobReason.RESUMED_BY_OPERATOR, actor, detail)
     return job
+
+
+def fail_job(job_id: int, reason: JobReason, actor: Actor, detail: str) -> bool:
+    """Fail a running job for ``reason`` (e.g. a worker died) and stop its workers; False when it
+    had already ended."""
+    with transaction.atomic():
+        job = _locked(job_id)
+        if job.is_terminal:
+            return False
+        transition(job, JobState.FAILED, reason, actor, detail)
+        release_workers(job, reason=f"job failed: {detail}")
+    admit_pending(actor=Actor.scheduler())
+    return True
+
+
+def record_iteration_results(job_id: int, results: Sequence[Mapping[str, Any]], *, node: str) -> int:
+    """Keep each iteration's result once (the first report of an iteration wins: every node of
+    the job repeats the latest ones); returns how many were new."""
+    rows = [
+        IterationResult(
+            job_id=job_id,
+            iteration=int(result["iteration"]),
+            mean_reward=float(result["mean_reward"]),
+            metrics=dict(result),
+            node=node,
+        )
+        for result in results
+    ]
+    known = set(
+        IterationResult.objects.filter(job_id=job_id, iteration__in=[r.iteration for r in rows]).values_list(
+            "iteration", flat=True
+        )
+    )
+    fresh = [row for row in rows if row.iteration not in known]
+    IterationResult.objects.bulk_create(fresh, ignore_conflicts=True)
+    return len(fresh)

@@ -24,6 +24,7 @@ the submission time, so a database reset that reuses ids never meets an old job'
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ from cluster.models import Device, Node
 from common import audit
 from common import redis as common_redis
 from common.audit import Actor
-from jobs.models import ACTIVE_JOB_STATES, LIVE_WORKER_STATES, Job, Worker, WorkerGroup
+from jobs import services as job_services
+from jobs.models import ACTIVE_JOB_STATES, LIVE_WORKER_STATES, Job, JobReason, Worker, WorkerGroup
 from scheduler.models import OPEN_MIGRATION_STATES, Migration
 from scheduler.telemetry import FieldError, TelemetryError
 
@@ -50,6 +52,9 @@ MAX_NAME = 128
 MAX_COUNT = 10**9
 MAX_CLAIMED_ITERATIONS = 64
 MAX_CLAIMS = 4_096
+MAX_RESULTS = 16
+MAX_RESULT_BYTES = 32_768
+MAX_FAILURE = 2_000
 ACTOR_KIND = "actor"
 ROLLOUT_KIND = "rollout"
 # Steps whose workers are leaving their group: new work is no longer partitioned onto them.
@@ -76,6 +81,10 @@ class JobProgress:
     groups: dict[str, GroupCount]
     trained_iteration: int | None
     claims: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    # A job that really runs (the ray backend): its latest iterations' results, and why it cannot
+    # go on when a worker or its driver died.
+    results: tuple[dict[str, Any], ...] = ()
+    failure: str | None = None
 
     def to_json(self, at: float | None = None) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -155,6 +164,48 @@ def _groups(raw: Any, path: str, errors: list[FieldError]) -> dict[str, GroupCou
     return groups
 
 
+def _results(raw: Any, path: str, errors: list[FieldError]) -> tuple[dict[str, Any], ...]:
+    """Iteration results as the driver of a real job reports them: objects with an ``iteration``
+    and a finite ``mean_reward``, each kept as sent (bounded in size)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_RESULTS:
+        errors.append(FieldError(path, f"must be a list of at most {MAX_RESULTS} iteration results"))
+        return ()
+    results = []
+    for i, item in enumerate(raw):
+        item_path = f"{path}[{i}]"
+        if not isinstance(item, Mapping):
+            errors.append(FieldError(item_path, "must be an object"))
+            continue
+        before = len(errors)
+        _count(item.get("iteration"), f"{item_path}.iteration", errors)
+        reward = item.get("mean_reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+            errors.append(FieldError(f"{item_path}.mean_reward", "must be a finite number"))
+        if len(errors) > before:
+            continue
+        try:
+            size = len(json.dumps(item, allow_nan=False))
+        except (TypeError, ValueError):
+            errors.append(FieldError(item_path, "must be plain JSON (finite numbers)"))
+            continue
+        if size > MAX_RESULT_BYTES:
+            errors.append(FieldError(item_path, f"must be at most {MAX_RESULT_BYTES} bytes as JSON"))
+            continue
+        results.append(dict(item))
+    return tuple(results)
+
+
+def _failure(raw: Any, path: str, errors: list[FieldError]) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw.strip() or len(raw) > MAX_FAILURE:
+        errors.append(FieldError(path, f"must be a non-empty string of at most {MAX_FAILURE} characters"))
+        return None
+    return raw
+
+
 def _claims(raw: Any, path: str, errors: list[FieldError]) -> dict[int, dict[str, tuple[str, ...]]]:
     if raw is None:
         return {}
@@ -214,11 +265,21 @@ def parse(jobs_section: Any) -> list[JobProgress]:
             )
         groups = _groups(item.get("groups", {}), f"{path}.groups", errors)
         claims = _claims(item.get("claims"), f"{path}.claims", errors)
+        results = _results(item.get("results"), f"{path}.results", errors)
+        failure = _failure(item.get("failure"), f"{path}.failure", errors)
         if len(errors) > before or not isinstance(job, int) or iteration is None:
             continue
         seen.add(job)
         parsed.append(
-            JobProgress(job=job, iteration=iteration, groups=groups, trained_iteration=trained, claims=claims)
+            JobProgress(
+                job=job,
+                iteration=iteration,
+                groups=groups,
+                trained_iteration=trained,
+                claims=claims,
+                results=results,
+                failure=failure,
+            )
         )
     if errors:
         raise ProgressError(errors)
@@ -259,6 +320,13 @@ def record(node: Node, jobs_section: Any, *, now: float | None = None) -> None:
     pipe.execute()
     for report in reports:
         _, iteration, total, state = jobs[report.job]
+        if report.results:
+            job_services.record_iteration_results(report.job, report.results, node=node.name)
+        if report.failure is not None and state in ACTIVE_JOB_STATES:
+            job_services.fail_job(
+                report.job, JobReason.WORKER_FAILED, Actor.for_agent(node.name), report.failure
+            )
+            continue
         # Only a report that finishes the job's current iteration can move it: the row lock is
         # taken then and only then (the tick skips a locked job for that beat).
         due = report.trained_iteration is not None and report.trained_iteration >= iteration

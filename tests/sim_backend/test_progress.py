@@ -16,7 +16,7 @@ from cluster.models import AgentCommand, CommandState, Device, DeviceStatus, Nod
 from common import redis as common_redis
 from common.audit import Actor
 from common.models import AuditEvent
-from jobs.models import Job, Worker, WorkerState
+from jobs.models import IterationResult, Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from scheduler.services import gpu_migrations
 from scheduler.telemetry import TelemetryError
@@ -472,3 +472,47 @@ def test_sim_agents_shrink_the_trainer_and_grow_the_rollout_through_the_control_
     ]
     assert any(p is not None and new_engine.encode() in p for p in partitions)
     assert [e.payload["to"] for e in iteration_events(job)] == [1, 2, 3]
+
+
+# -- a job that really runs: iteration results and failures ----------------------------------------
+
+
+def test_iteration_results_are_kept_once_each_whichever_node_reports_them(job: Job) -> None:
+    first = {"iteration": 0, "mean_reward": 0.25, "accuracy": 0.25, "response_lengths": {"p50": 31}}
+    second = {"iteration": 1, "mean_reward": 0.5, "accuracy": 0.5}
+    progress.record(node("node-a"), [{**report(job)[0], "results": [first]}])
+    progress.record(node("node-b"), [{**report(job)[0], "results": [{**first, "mean_reward": 0.9}, second]}])
+    rows = list(IterationResult.objects.filter(job=job).order_by("iteration"))
+    assert [(r.iteration, r.mean_reward, r.node) for r in rows] == [(0, 0.25, "node-a"), (1, 0.5, "node-b")]
+    assert rows[0].metrics == first
+
+
+def test_bad_results_and_failures_name_the_field(job: Job) -> None:
+    entry = {
+        **report(job)[0],
+        "results": [{"iteration": -1, "mean_reward": float("nan")}, "x"],
+        "failure": "",
+    }
+    with pytest.raises(progress.ProgressError) as caught:
+        progress.record(node("node-a"), [entry])
+    assert {e.path for e in caught.value.errors} == {
+        "jobs[0].results[0].iteration",
+        "jobs[0].results[0].mean_reward",
+        "jobs[0].results[1]",
+        "jobs[0].failure",
+    }
+    assert not IterationResult.objects.filter(job=job).exists()
+
+
+def test_a_reported_failure_fails_the_job_with_its_reason_and_stops_its_workers(job: Job) -> None:
+    why = f"worker j{job.pk}-rollout-w1 on node-b died (its Ray actor is gone)"
+    progress.record(node("node-b"), [{**report(job)[0], "failure": why}])
+    job.refresh_from_db()
+    assert (job.state, job.state_reason, job.state_detail) == ("failed", "worker_failed", why)
+    transition = job.transitions.order_by("at", "id").last()
+    assert transition is not None and transition.actor == "agent:node-b"
+    states = set(Worker.objects.filter(group__job=job).values_list("state", flat=True))
+    assert states <= {WorkerState.STOPPING, WorkerState.STOPPED}, states
+    # Repeated by every node until the workers stop: the job fails once.
+    progress.record(node("node-a"), [{**report(job)[0], "failure": why}])
+    assert job.transitions.filter(to_state="failed").count() == 1
