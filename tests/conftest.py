@@ -16,6 +16,8 @@ from tests.services import celery_process, wait_until
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+pytest_plugins = ["tests.ray_cluster"]
+
 
 @pytest.fixture(scope="session")
 def redis_reachable() -> None:

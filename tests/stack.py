@@ -1,5 +1,6 @@
 """A live dynarl stack for tests: daphne (HTTP + WebSocket), a real Celery worker and beat on the
-test database, and node agents (``python -m agents.daemon`` with the ``sim`` backend) as processes.
+test database, and node agents (``python -m agents.daemon`` with the ``sim`` backend, or the
+``ray`` backend on a local Ray cluster) as processes.
 
 Test packages expose the fixture through their conftest::
 
@@ -38,6 +39,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
+from agents.backends.ray.connection import LOOPBACK_ENV
 from agents.models import BootstrapToken
 from cluster.models import Node, NodeStatus
 from common.models import ApiToken, hash_token
@@ -113,19 +115,18 @@ class LiveServer:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.logs.glob("daphne-*.log")))
 
 
-class SimAgent:
-    """``python -m agents.daemon`` with the ``sim`` backend, as a process. Every start is a new
-    process on the same state directory (node token, command journal), as a restarted host."""
+class NodeAgent:
+    """``python -m agents.daemon`` with its backend (``sim`` or ``ray``), as a process. Every
+    start is a new process on the same state directory (node token, command journal), as a
+    restarted host."""
 
     def __init__(
         self,
         stack: LiveStack,
         host: str,
         *,
-        gpus: int,
-        hardware: str,
-        speed: float,
-        seed: int,
+        backend: str,
+        options: Mapping[str, Any],
         env: Mapping[str, str],
     ) -> None:
         self.stack = stack
@@ -133,7 +134,8 @@ class SimAgent:
         self.workdir = stack.workdir / "agents" / host
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.workdir / "state"
-        self.options = {"gpus": gpus, "hardware": hardware, "speed": speed, "seed": seed}
+        self.backend = backend
+        self.options = dict(options)
         self.env = dict(env)
         self.starts = 0
         self.started_at = timezone.now()
@@ -154,7 +156,7 @@ class SimAgent:
             "DYNARL_BOOTSTRAP_TOKEN": self.stack.bootstrap_token,
             "DYNARL_HOST": self.host,
             "DYNARL_STATE_DIR": str(self.state_dir),
-            "DYNARL_BACKEND": "sim",
+            "DYNARL_BACKEND": self.backend,
             "DYNARL_BACKEND_OPTIONS": json.dumps(self.options),
             "DYNARL_NVML": "0",
             "DYNARL_RETRY_MAX_S": "1",
@@ -224,7 +226,7 @@ class LiveStack:
         self.env = {**env, **FAST_SETTINGS, **settings_env}
         self.server = LiveServer(self.env, workdir)
         self.url = self.server.url
-        self.agents: dict[str, SimAgent] = {}
+        self.agents: dict[str, NodeAgent] = {}
         self._worker: ExitStack | None = None
         self._beat: ExitStack | None = None
         self.bootstrap_token = "boot-" + secrets.token_urlsafe(16)
@@ -282,19 +284,30 @@ class LiveStack:
         faults: str = "",
         seed: int = 0,
         **env: str,
-    ) -> SimAgent:
+    ) -> NodeAgent:
         """A new sim host (agents of one cluster share the trace ``seed``); ``faults`` as in
         ``DYNARL_SIM_FAULTS`` (docs/sim-backend.md), for this first start only."""
         assert host not in self.agents, f"agent {host} exists; use agent({host!r}).start()"
         extra = dict(env)
         if faults:
             extra["DYNARL_SIM_FAULTS"] = faults
-        agent = SimAgent(self, host, gpus=gpus, hardware=hardware, speed=speed, seed=seed, env=extra)
+        options = {"gpus": gpus, "hardware": hardware, "speed": speed, "seed": seed}
+        agent = NodeAgent(self, host, backend="sim", options=options, env=extra)
         self.agents[host] = agent
         agent.start()
         return agent
 
-    def agent(self, host: str) -> SimAgent:
+    def start_ray_agent(self, host: str, *, address: str, namespace: str, checkpoint_dir: Path) -> NodeAgent:
+        """An agent of the Ray node named ``host`` in the cluster at ``address`` (registering the
+        GPUs the Ray node offers), its drivers' checkpoints under ``checkpoint_dir``."""
+        assert host not in self.agents, f"agent {host} exists; use agent({host!r}).start()"
+        options = {"address": address, "namespace": namespace, "checkpoint_dir": str(checkpoint_dir)}
+        agent = NodeAgent(self, host, backend="ray", options=options, env=dict(LOOPBACK_ENV))
+        self.agents[host] = agent
+        agent.start()
+        return agent
+
+    def agent(self, host: str) -> NodeAgent:
         return self.agents[host]
 
     # -- the REST API ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from agents.backends.base import ExecutionBackend
 
 BACKENDS: dict[str, str] = {
     "sim": "agents.backends.sim.backend:SimBackend",
-    "ray": "agents.backends.ray:RayBackend",
+    "ray": "agents.backends.ray.backend:RayBackend",
 }
 REQUIRED = (
     "name",

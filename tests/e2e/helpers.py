@@ -14,7 +14,7 @@ from cluster.models import Device, DeviceStatus
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from tests.services import wait_until
-from tests.stack import LiveStack, SimAgent
+from tests.stack import LiveStack, NodeAgent
 
 LIVE_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING)
 FINISHED_MIGRATION_STATES = (MigrationState.COMMITTED, MigrationState.ROLLED_BACK, MigrationState.FAILED)
@@ -81,7 +81,9 @@ def wait_running(stack: LiveStack, job: Job, timeout_s: float = 90) -> None:
         workers = Worker.objects.filter(group__job=job)
         return job.state == "running" and workers.exists() and not workers.exclude(state="running").exists()
 
-    assert wait_until(running, timeout_s=timeout_s), f"job {job.pk} is {job.state}\n{stack.logs()}"
+    assert wait_until(running, timeout_s=timeout_s), (
+        f"job {job.pk} is {job.state} ({job.state_reason}: {job.state_detail})\n{stack.logs()}"
+    )
 
 
 def wait_migration_finished(stack: LiveStack, migration: Migration, timeout_s: float = 120) -> Migration:
@@ -171,7 +173,7 @@ def wait_agents_agree(stack: LiveStack, nodes: Iterable[str], timeout_s: float =
     )
 
 
-def journal_events(agent: SimAgent) -> list[dict[str, Any]]:
+def journal_events(agent: NodeAgent) -> list[dict[str, Any]]:
     """The agent's step journal, over every process of it. The agent may be appending while this
     reads: a torn last line is skipped (it is read whole next time)."""
     path = Path(agent.state_dir) / "journal.jsonl"

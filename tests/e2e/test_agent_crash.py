@@ -26,7 +26,7 @@ from tests.e2e.helpers import (
     wait_running,
 )
 from tests.services import wait_until
-from tests.stack import LiveStack, SimAgent
+from tests.stack import LiveStack, NodeAgent
 
 NODES = ("node-a", "node-b")
 # The trainer's side of a rollout -> actor move, in plan order. The switch is its point of no
@@ -43,7 +43,7 @@ P2P_STEPS = (
 INTERRUPTED = "the agent stopped while carrying this step out"
 
 
-def journal_starts(agent: SimAgent) -> Counter[str]:
+def journal_starts(agent: NodeAgent) -> Counter[str]:
     """How often each command was started by the backend, over every process of this agent."""
     return Counter(e["command_id"] for e in journal_events(agent) if e["event"] == "started")
 

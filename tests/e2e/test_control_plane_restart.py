@@ -20,7 +20,7 @@ from tests.e2e.helpers import (
     wait_running,
 )
 from tests.services import wait_until
-from tests.stack import LiveStack, SimAgent
+from tests.stack import LiveStack, NodeAgent
 
 NODES = ("node-a", "node-b")
 
@@ -42,7 +42,7 @@ def test_a_control_plane_restarted_mid_migration_resumes_it_from_the_database(li
     migration = Migration.objects.get(migration_id=body["migration_id"])
     step = migration.steps.get(kind=StepKind.TRANSFER_STATE.value, is_rollback=False)
 
-    def command_ids() -> dict[str, SimAgent]:
+    def command_ids() -> dict[str, NodeAgent]:
         return {f"{step.step_id}@{node}#{step.attempts}": live_stack.agent(node) for node in step.nodes}
 
     def step_in_the_agents_hands() -> bool:

@@ -11,7 +11,7 @@ from agents.backends.ray.connection import connect, find_node
 from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import EngineSettings
 from runtime.model.config import GPTConfig
-from tests.ray_backend.conftest import LocalRayCluster
+from tests.ray_cluster import NAMESPACE, LocalRayCluster
 
 CONFIG = GPTConfig(
     vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=32, max_positions=64
@@ -21,7 +21,7 @@ CONFIG = GPTConfig(
 def test_an_engine_worker_runs_pinned_to_its_node_with_its_devices_and_stops(
     ray_cluster: LocalRayCluster,
 ) -> None:
-    connect(ray_cluster.address, namespace="dynarl-test")
+    connect(ray_cluster.address, namespace=NAMESPACE)
     node = find_node("node-b")
     devices = [{"index": 1, "shared": False}, {"index": 3, "shared": False}]
     url = start_engine_worker(node, "j1-rollout-w0", devices, CONFIG, EngineSettings(max_running_requests=2))

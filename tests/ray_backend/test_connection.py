@@ -16,12 +16,12 @@ from agents.backends.ray.connection import (
     find_node,
     split_address,
 )
-from tests.ray_backend.conftest import NODE_GPUS, LocalRayCluster
+from tests.ray_cluster import NAMESPACE, NODE_GPUS, LocalRayCluster
 
 
 def test_the_agent_joins_and_finds_its_own_node_by_name(ray_cluster: LocalRayCluster) -> None:
-    connect(ray_cluster.address, namespace="dynarl-test")
-    connect(ray_cluster.address, namespace="dynarl-test")  # joining again changes nothing
+    connect(ray_cluster.address, namespace=NAMESPACE)
+    connect(ray_cluster.address, namespace=NAMESPACE)  # joining again changes nothing
     assert sorted(node.name for node in alive_nodes()) == ["node-a", "node-b"]
     node = find_node("node-b")
     assert node.gpus == NODE_GPUS and node.address == "127.0.0.1"

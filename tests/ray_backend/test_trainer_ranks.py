@@ -3,45 +3,48 @@ rank 0's TCP store, and take the same optimizer step on the same global batch.""
 
 from __future__ import annotations
 
-import socket
+from typing import Any
 
 import ray
 import torch
 
-from agents.backends.ray.actors import start_engine_worker, start_trainer_rank, stop_worker
+from agents.backends.ray.actors import TrainerRankWorker, start_engine_worker, start_worker_actor, stop_worker
 from agents.backends.ray.connection import connect, find_node
 from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import EngineSettings
 from runtime.rl.grpo import Trajectory
-from tests.ray_backend.conftest import LocalRayCluster
+from runtime.rl.trainer import TrainerConfig
+from tests.ray_cluster import NAMESPACE, LocalRayCluster
 from tests.runtime.rl.batches import TINY, grpo_batch, trainer_config
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def start_ranks(job: int, nodes: tuple[str, ...], config: TrainerConfig) -> list[Any]:
+    """The trainer's ranks as their agents start them, then joined as the job's driver does:
+    rank 0 hosts the store on its node, every rank joins it."""
+    ranks = [
+        start_worker_actor(
+            find_node(node),
+            f"j{job}-actor-w{rank}",
+            [{"index": rank, "shared": False}],
+            TrainerRankWorker,
+            config,
+        )
+        for rank, node in enumerate(nodes)
+    ]
+    store = ray.get(ranks[0].host_store.remote(len(ranks)), timeout=120)
+    joined = ray.get(
+        [r.join.remote(store, i, len(ranks), "dp-0", None) for i, r in enumerate(ranks)], timeout=120
+    )
+    assert joined == list(range(len(ranks)))
+    return ranks
 
 
 def test_two_ranks_on_two_nodes_train_in_step(ray_cluster: LocalRayCluster) -> None:
-    connect(ray_cluster.address, namespace="dynarl-test")
+    connect(ray_cluster.address, namespace=NAMESPACE)
     batch = grpo_batch(groups=2, per_group=4, seed=3, logprob_noise=0.05)
     config = trainer_config(global_batch_size=len(batch), micro_batch_size=2)
-    store = f"127.0.0.1:{free_port()}"
-    ranks = [
-        start_trainer_rank(
-            find_node(node),
-            f"j1-actor-w{rank}",
-            [{"index": rank, "shared": False}],
-            config,
-            store_address=store,
-            rank=rank,
-            world_size=2,
-        )
-        for rank, node in enumerate(("node-a", "node-b"))
-    ]
+    ranks = start_ranks(1, ("node-a", "node-b"), config)
     try:
-        assert ray.get([r.ready.remote() for r in ranks], timeout=120) == [0, 1]
         before = ray.get(ranks[0].engine_weights.remote(), timeout=60)
         metrics = ray.get([r.train_step.remote(batch) for r in ranks], timeout=120)
         weights = ray.get([r.engine_weights.remote() for r in ranks], timeout=60)
@@ -57,18 +60,10 @@ def test_two_ranks_on_two_nodes_train_in_step(ray_cluster: LocalRayCluster) -> N
 def test_the_trainer_pushes_its_weights_to_engines_on_other_nodes_which_then_generate_with_them(
     ray_cluster: LocalRayCluster,
 ) -> None:
-    connect(ray_cluster.address, namespace="dynarl-test")
+    connect(ray_cluster.address, namespace=NAMESPACE)
     batch = grpo_batch(groups=2, per_group=2, seed=5, logprob_noise=0.05)
     config = trainer_config(global_batch_size=len(batch), micro_batch_size=2)
-    trainer = start_trainer_rank(
-        find_node("node-a"),
-        "j2-actor-w0",
-        [{"index": 0, "shared": False}],
-        config,
-        store_address=f"127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-    )
+    [trainer] = start_ranks(2, ("node-a",), config)
     # The engines start from other weights (their own seed) than the trainer's.
     urls = [
         start_engine_worker(
@@ -81,9 +76,8 @@ def test_the_trainer_pushes_its_weights_to_engines_on_other_nodes_which_then_gen
         for i, node in enumerate(("node-a", "node-b"))
     ]
     try:
-        ray.get(trainer.ready.remote(), timeout=120)
         ray.get(trainer.train_step.remote(batch), timeout=120)
-        ray.get(trainer.connect_engines.remote(urls, "127.0.0.1", free_port()), timeout=120)
+        ray.get(trainer.connect_engines.remote(urls), timeout=120)
         assert ray.get(trainer.push_weights.remote(), timeout=120) == "1"
         prompt = list(batch[0].prompt_ids)
         for url in urls:

@@ -1,4 +1,6 @@
-"""The ``ray`` execution backend: a node's workers as Ray actors pinned to that node's Ray node.
+"""The ``ray`` execution backend: a node's workers as Ray actors pinned to that node's Ray node,
+and one driver actor per job running the RL loop over them (docs/ray-backend.md).
 
-Built up in parts; today it holds the connection to the Ray cluster (``connection``).
+``RayBackend`` is imported from ``agents.backends.ray.backend`` (the registry names it so): this
+package's own import stays free of Ray, torch and megatron-core.
 """

@@ -8,17 +8,29 @@ Ray is told to leave alone. Ray still counts the GPUs a worker holds alone (``nu
 Ray work does not land on them; devices a worker time-shares with others of its job (a colocated
 placement) are counted by none of them.
 
-Worker kinds are added as the runtime grows: ``CpuEngineWorker`` serves a rollout engine, the CPU
-stand-in for an SGLang server (``runtime.engine``); ``TrainerRankWorker`` is one data-parallel rank
-of the trainer (``runtime.rl.trainer``), joining its peers through a TCP store that rank 0 hosts.
+The agent starts a worker with what its own node knows (the job's spec, the worker's kind and
+devices); what needs the whole job (the trainer's ranks and world, the warm-start weights, the
+engines' addresses) is given later by the job's driver (``agents.backends.ray.driver``). Kinds:
+
+- ``rollout`` and ``inference``: ``EngineWorker``, an engine serving SGLang's HTTP protocol on a
+  free port of its node (here the CPU stand-in, ``runtime.engine``); an ``inference`` engine
+  scores responses under the frozen reference weights (input-token log-probs);
+- ``actor``: ``TrainerRankWorker``, one data-parallel rank of the trainer (``runtime.rl.trainer``);
+  rank 0 hosts the TCP store its peers join, and the weight-update group of the engines;
+- ``reward``: ``RewardWorker``, the rule-based exact-match reward.
+
+Each worker also answers ``usage()``: what it did so far (busy seconds, tokens, its process's CPU
+time), from which the agent's telemetry takes differences.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import ray
@@ -33,9 +45,11 @@ from runtime.model.config import GPTConfig
 from runtime.rl.grpo import Trajectory
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
 from runtime.rl.weight_push import WeightPusher
+from runtime.task.arithmetic import Problem, score
 
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
 KEEP_OUR_DEVICES: Final = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+ENGINE_KINDS: Final = ("rollout", "inference")
 
 
 def actor_name(node: str, worker: str) -> str:
@@ -58,14 +72,72 @@ def actor_options(node: RayNode, worker: str, devices: Sequence[Mapping[str, Any
     }
 
 
-class CpuEngineWorker:
-    """A rollout engine worker: the CPU stand-in for an SGLang server, serving SGLang's HTTP
-    protocol on a free loopback port of its node."""
+def node_ip() -> str:
+    """The address peers on other nodes reach this worker's node at."""
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class WorkerUsage:
+    """What a worker did since it started; the agent reports differences between two readings."""
+
+    busy_s: float = 0.0  # seconds spent working (a trainer step, scoring)
+    waiting_s: float = 0.0  # a trainer's seconds between steps, waiting for data
+    tokens: int = 0  # generated (engines) or trained on (trainer ranks)
+    items: int = 0  # requests finished, responses scored, steps taken
+    cpu_s: float = 0.0  # the worker process's CPU time (user + system)
+
+
+def process_cpu_seconds() -> float:
+    times = os.times()
+    return float(times.user + times.system)
+
+
+class _Usage:
+    """Busy-time bookkeeping shared by the workers that work in calls (trainer, reward)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy_s = 0.0
+        self._waiting_s = 0.0
+        self._tokens = 0
+        self._items = 0
+        self._idle_since: float | None = None
+
+    def begin(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            if self._idle_since is not None:
+                self._waiting_s += now - self._idle_since
+        return now
+
+    def end(self, started: float, *, tokens: int = 0, items: int = 1) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._busy_s += now - started
+            self._tokens += tokens
+            self._items += items
+            self._idle_since = now
+
+    def reading(self) -> WorkerUsage:
+        with self._lock:
+            return WorkerUsage(
+                busy_s=self._busy_s,
+                waiting_s=self._waiting_s,
+                tokens=self._tokens,
+                items=self._items,
+                cpu_s=process_cpu_seconds(),
+            )
+
+
+class EngineWorker:
+    """A rollout or inference engine: the CPU stand-in for an SGLang server, serving SGLang's
+    HTTP protocol on a free port of its node, reachable from the other nodes."""
 
     def __init__(self, config_json: str, settings: Mapping[str, Any]) -> None:
         torch.set_num_threads(1)
         self._engine = CpuEngine(GPTConfig.from_json(config_json), EngineSettings(**settings))
-        self._server = CpuEngineServer(self._engine)
+        self._server = CpuEngineServer(self._engine, host=node_ip())
         self._url = self._server.start()
 
     def url(self) -> str:
@@ -77,66 +149,122 @@ class CpuEngineWorker:
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
+    def usage(self) -> WorkerUsage:
+        state = self._engine.state()
+        return WorkerUsage(
+            tokens=int(state["generated_tokens"]),
+            items=int(state["finished_requests"]),
+            cpu_s=process_cpu_seconds(),
+        )
+
 
 class TrainerRankWorker:
-    """One data-parallel rank of the trainer. Rank 0 hosts the TCP store at ``store_address``
-    (its node's address and a port free there); the others connect to it. Creating the ranks
-    returns at once; ``ready`` answers once every rank has joined the group."""
+    """One data-parallel rank of the trainer. Started by its agent as an empty rank; the job's
+    driver then has rank 0 host the TCP store (``host_store``) and every rank ``join`` it, which
+    builds the model from the warm-start checkpoint and the data-parallel group."""
 
-    def __init__(
-        self, config: TrainerConfig, store_address: str, rank: int, world_size: int, generation: str
-    ) -> None:
+    def __init__(self, config: TrainerConfig) -> None:
         torch.set_num_threads(1)
-        host, _, port = store_address.rpartition(":")
-        store = c10d.TCPStore(host, int(port), world_size, rank == 0)
-        rendezvous = DataParallelRendezvous(store, rank, world_size, generation)
-        self._store = store  # rank 0 serves the others' rendezvous for as long as it lives
-        self._trainer = Trainer(config, rendezvous)
+        self._config = config
+        self._store: c10d.Store | None = None
+        self._trainer: Trainer | None = None
         self._pusher: WeightPusher | None = None
+        self._usage = _Usage()
 
-    def ready(self) -> int:
+    def host_store(self, world_size: int) -> str:
+        """Rank 0: serve the rendezvous store on a free port of this node; returns ``host:port``."""
+        host = node_ip()
+        store = c10d.TCPStore(host, 0, world_size, True, wait_for_workers=False)
+        self._store = store  # served for as long as this rank lives
+        return f"{host}:{store.port}"
+
+    def join(
+        self,
+        store_address: str,
+        rank: int,
+        world_size: int,
+        generation: str,
+        initial_weights: Mapping[str, torch.Tensor] | None,
+    ) -> int:
+        """Build the model (from ``initial_weights``, in the engine's names) and join the DP group;
+        returns once every rank joined."""
+        if self._store is None:
+            host, _, port = store_address.rpartition(":")
+            self._store = c10d.TCPStore(host, int(port), world_size, False)
+        rendezvous = DataParallelRendezvous(self._store, rank, world_size, generation)
+        self._trainer = Trainer(self._config, rendezvous, initial_weights)
         return self._trainer.rank
 
+    def _joined(self) -> Trainer:
+        if self._trainer is None:
+            raise ValueError("this trainer rank has not joined its data-parallel group yet")
+        return self._trainer
+
+    def rank(self) -> int:
+        return self._joined().rank
+
     def train_step(self, samples: Sequence[Trajectory]) -> TrainStepMetrics:
-        return self._trainer.train_step(samples)
+        trainer = self._joined()
+        started = self._usage.begin()
+        metrics = trainer.train_step(samples)
+        local = trainer.local_samples(samples)
+        self._usage.end(started, tokens=sum(len(s.prompt_ids) + len(s.response_ids) for s in local))
+        return metrics
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        return self._trainer.engine_weights()
+        return self._joined().engine_weights()
+
+    def weight_version(self) -> str:
+        return self._joined().weight_version
 
     def response_logprobs(self, samples: Sequence[Trajectory]) -> list[list[float]]:
-        return self._trainer.response_logprobs(samples)
+        return self._joined().response_logprobs(samples)
 
-    def connect_engines(self, engine_urls: Sequence[str], master_address: str, master_port: int) -> None:
-        """Rank 0: host the weight-update group of the rollout engines at ``engine_urls``."""
-        if self._trainer.rank != 0:
+    def connect_engines(self, engine_urls: Sequence[str]) -> None:
+        """Rank 0: host the weight-update group of the rollout engines at ``engine_urls`` on a free
+        port of this node."""
+        if self._joined().rank != 0:
             raise ValueError("only data-parallel rank 0 pushes weights to the engines")
-        self._pusher = WeightPusher(engine_urls, master_address, master_port)
+        if self._pusher is not None:
+            self._pusher.close()
+        self._pusher = WeightPusher(engine_urls, node_ip(), free_port())
 
     def push_weights(self) -> str:
         """Rank 0: send the current weights to every engine; returns their weight version."""
         if self._pusher is None:
             raise ValueError("connect_engines first")
-        self._pusher.push(self._trainer.engine_weights(), self._trainer.weight_version)
-        return self._trainer.weight_version
+        trainer = self._joined()
+        self._pusher.push(trainer.engine_weights(), trainer.weight_version)
+        return trainer.weight_version
+
+    def usage(self) -> WorkerUsage:
+        return self._usage.reading()
 
 
-def start_trainer_rank(
-    node: RayNode,
-    worker: str,
-    devices: Sequence[Mapping[str, Any]],
-    config: TrainerConfig,
-    *,
-    store_address: str,
-    rank: int,
-    world_size: int,
-    generation: str = "dp-0",
-) -> Any:
-    """Start rank ``rank`` of the trainer as ``worker`` on ``node``; returns its actor handle
-    (``ready`` once every rank joined)."""
-    actor_class = ray.remote(TrainerRankWorker)
-    return actor_class.options(**actor_options(node, worker, devices)).remote(
-        config, store_address, rank, world_size, generation
-    )
+class RewardWorker:
+    """The rule-based reward: exact match of the response's final answer."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._usage = _Usage()
+
+    def score(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[float]:
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+        started = self._usage.begin()
+        rewards = [score(problem, text) for problem, text in zip(problems, responses, strict=True)]
+        self._usage.end(started, items=len(rewards))
+        return rewards
+
+    def usage(self) -> WorkerUsage:
+        return self._usage.reading()
+
+
+def free_port() -> int:
+    """A port free on this node now (the caller binds it next)."""
+    with socket.socket() as probe:
+        probe.bind((node_ip(), 0))
+        return int(probe.getsockname()[1])
 
 
 def start_engine_worker(
@@ -149,11 +277,16 @@ def start_engine_worker(
     timeout_s: float = 60.0,
 ) -> str:
     """Start ``worker``'s engine on ``node``; returns its URL once it serves."""
-    actor_class = ray.remote(CpuEngineWorker)
-    handle: Any = actor_class.options(**actor_options(node, worker, devices)).remote(
-        config.to_json(), asdict(settings)
-    )
+    handle = start_worker_actor(node, worker, devices, EngineWorker, config.to_json(), asdict(settings))
     return str(ray.get(handle.url.remote(), timeout=timeout_s))
+
+
+def start_worker_actor(
+    node: RayNode, worker: str, devices: Sequence[Mapping[str, Any]], cls: type, *args: Any
+) -> Any:
+    """Start ``worker`` as an actor of ``cls`` on ``node`` holding ``devices``; returns its handle
+    at once (the actor may still be starting)."""
+    return ray.remote(cls).options(**actor_options(node, worker, devices)).remote(*args)
 
 
 def worker_handle(node: str, worker: str) -> Any | None:
@@ -175,12 +308,23 @@ def stop_worker(node: str, worker: str, *, timeout_s: float = 30.0) -> bool:
     handle = worker_handle(node, worker)
     if handle is None:
         return False
+    kill_actor(handle, actor_name(node, worker), timeout_s=timeout_s)
+    return True
+
+
+def kill_actor(handle: Any, name: str, *, timeout_s: float) -> None:
+    """Kill an actor and return once it is dead (its process gone, calls to it failing) and its
+    name is free for a new one."""
     ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + timeout_s
-    while worker in node_workers(node):
+    try:
+        # Answers RayActorError once the actor is dead; its process is gone by then.
+        ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError:
+        pass
+    except ray.exceptions.GetTimeoutError as exc:
+        raise TimeoutError(f"the actor {name} was still alive {timeout_s:g} s after it was killed") from exc
+    while name in ray.util.list_named_actors():
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"the actor of {worker} on {node} still exists {timeout_s:g} s after it was killed"
-            )
+            raise TimeoutError(f"the actor {name} still exists {timeout_s:g} s after it was killed")
         time.sleep(0.05)  # Ray frees the name asynchronously and offers no event to wait on
-    return True

@@ -41,6 +41,7 @@ class RayNode:
     address: str
     gpus: float  # logical GPUs the node offers (num_gpus)
     cpus: float
+    memory_gb: float = 0.0  # the memory Ray may give its workers there
 
     @classmethod
     def from_ray(cls, info: Mapping[str, Any]) -> RayNode:
@@ -51,6 +52,7 @@ class RayNode:
             address=str(info.get("NodeManagerAddress", "")),
             gpus=float(resources.get("GPU", 0.0)),
             cpus=float(resources.get("CPU", 0.0)),
+            memory_gb=float(resources.get("memory", 0.0)) / float(1 << 30),
         )
 
 

@@ -1,6 +1,8 @@
-"""One local Ray cluster per test session: two nodes on loopback (``node-a``, ``node-b``), four
-logical GPUs each (``num_gpus`` is a resource label here; no device is needed), one CPU each (the
-machine has two). Its processes are children of the test process and end with the session."""
+"""One local Ray cluster per test session, shared by every test that asks for ``ray_cluster``
+(the ray backend's tests and the live stack's real jobs): two nodes on loopback (``node-a``,
+``node-b``), four logical GPUs each (``num_gpus`` is a resource label here; no device is needed),
+one CPU each (the machine has two). Its processes are children of the test process and end with
+the session. Registered as a plugin by tests/conftest.py, after the loopback environment is set."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ray.cluster_utils import Cluster
 from agents.backends.ray.connection import LOOPBACK_ENV
 
 NODE_GPUS = 4
+NAMESPACE = "dynarl-test"  # the tests' named actors, the agents' included
 
 
 @dataclass(frozen=True)

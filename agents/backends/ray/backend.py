@@ -1,0 +1,365 @@
+"""``RayBackend``: the node agent's ``ray`` execution backend.
+
+The agent joins the Ray cluster as a Ray driver and runs its node's workers as actors pinned to its
+Ray node (``actors``). A job's workers on all nodes are run by one **job driver** per job
+(``driver``): a detached, named actor that every agent launching workers of the job asks for with
+``get_if_exists``, so exactly one exists whichever agent comes first. The driver finds the workers
+by name, sets up what needs the whole job (the trainer's ranks and world, the warm-start weights,
+the engines' weight-update group) and runs the RL loop, one iteration at a time as the control plane
+opens it. The agents feed it the control plane's picture of the job (``observe_control``) and
+report what it and their own workers did (``telemetry``): measured utilisation, queues, tokens,
+the job's progress, each iteration's results, and a failure when a worker or the driver died.
+
+Migration steps are not carried out by this backend yet: a step is refused with a clear error,
+which the control plane rolls back.
+
+This module must not import Django: agents run on GPU hosts with a slim install.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetry, WorkerReading
+from agents.backends.ray import driver as job_driver
+from agents.backends.ray.actors import (
+    ENGINE_KINDS,
+    EngineWorker,
+    RewardWorker,
+    TrainerRankWorker,
+    WorkerUsage,
+    actor_name,
+    node_workers,
+    start_worker_actor,
+    stop_worker,
+    worker_handle,
+)
+from agents.backends.ray.connection import RayClusterError, RayNode, connect, find_node
+from runtime.engine.client import EngineClient, EngineError
+from runtime.rl.job import RLJobConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE: Final = "dynarl"
+LAUNCH_TIMEOUT_S: Final = 120.0
+CALL_TIMEOUT_S: Final = 5.0
+WORKER_NAME: Final = re.compile(r"j(?P<job>\d+)-")
+SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward")
+
+
+def job_of(worker: str) -> int | None:
+    """The job a worker belongs to, from its name (``j<job>-<group>-w<i>``)."""
+    match = WORKER_NAME.match(worker)
+    return int(match.group("job")) if match else None
+
+
+@dataclass
+class _Sample:
+    """The previous usage reading of a worker, to report differences."""
+
+    at: float
+    usage: WorkerUsage
+
+
+class RayBackend:
+    """One node of a Ray cluster, as its agent drives it. Thread-safe."""
+
+    name = "ray"
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        address: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        ray_node: str | None = None,
+        gpus: int | None = None,
+        hardware: str = "ray-logical",
+        checkpoint_dir: str | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        """``host``: the agent's node name; ``ray_node``: its Ray node's name when that differs
+        (``ray start --node-name``). ``gpus``: the devices to register, by default the GPUs the Ray
+        node offers. ``checkpoint_dir``: where drivers keep warm-start checkpoints (a directory
+        every node can read; by default one under the system's temporary directory)."""
+        self.host = host
+        self.namespace = namespace
+        self.hardware = hardware
+        connect(address, namespace=namespace, timeout_s=float(connect_timeout_s))
+        self.node: RayNode = find_node(ray_node or host)
+        self.gpus = int(self.node.gpus) if gpus is None else int(gpus)
+        if self.gpus < 0 or self.gpus > self.node.gpus:
+            raise RayClusterError(
+                f"gpus={self.gpus}: the Ray node {self.node.name} offers {self.node.gpus:g} GPUs"
+            )
+        self.checkpoint_dir = checkpoint_dir or str(Path("/tmp") / "dynarl-checkpoints")
+        self._lock = threading.Lock()
+        self._specs: dict[int, Mapping[str, Any]] = {}
+        self._payloads: dict[str, Mapping[str, Any]] = {}  # worker -> its launch payload
+        self._samples: dict[str, _Sample] = {}
+        self._lost: dict[int, str] = {}  # job -> why it cannot go on (a worker of ours died)
+        self._engines: dict[str, EngineClient] = {}  # engine worker -> a client of its server
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RayBackend:
+        return cls(**config)
+
+    # -- the agent's calls ---------------------------------------------------------------------
+
+    def inventory(self) -> Sequence[DeviceInfo]:
+        """The node's GPUs. A logical GPU has no memory of its own: it is registered with its share
+        of the memory Ray gives workers on the node (NVML's figures replace it on a GPU host)."""
+        share = round(max(self.node.memory_gb / max(self.gpus, 1), 0.01), 2)
+        return [DeviceInfo(index=i, hardware=self.hardware, memory_gb=share) for i in range(self.gpus)]
+
+    def launch_workers(self, job: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Make sure the job has its driver, start each worker as an actor on this node
+        (idempotent by name), and return once every worker answers."""
+        job_id = job.get("job")
+        spec = job.get("spec")
+        if isinstance(job_id, bool) or not isinstance(job_id, int) or not isinstance(spec, Mapping):
+            raise StepFailed("the launch payload needs an integer 'job' and its 'spec'")
+        try:
+            config = job_driver.rl_config(spec)
+        except ValueError as exc:
+            problem = f"the job cannot run on the ray backend: {exc}"
+            return {
+                "ok": False,
+                "workers": {str(w.get("worker")): {"ok": False, "error": problem} for w in workers},
+            }
+        with self._lock:
+            self._specs[job_id] = spec
+        # First, so that whichever node reports the job's workers first finds its driver there.
+        job_driver.ensure_driver(job_id, spec, self.node, self.checkpoint_dir)
+        handles: dict[str, Any] = {}
+        outcomes: dict[str, dict[str, Any]] = {}
+        for entry in workers:
+            name = str(entry.get("worker", ""))
+            try:
+                handles[name] = self._start(entry, config)
+            except (StepFailed, ValueError, KeyError, TypeError) as exc:
+                outcomes[name] = {"ok": False, "error": str(exc)}
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        for name, handle in handles.items():
+            try:
+                ray.get(handle.usage.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except (RayActorError, GetTimeoutError) as exc:
+                outcomes[name] = {"ok": False, "error": f"worker {name} did not start: {exc}"}
+                continue
+            outcomes[name] = {"ok": True, "error": ""}
+            with self._lock:
+                self._payloads[name] = dict(next(w for w in workers if w.get("worker") == name))
+        return {"ok": all(o["ok"] for o in outcomes.values()), "workers": outcomes}
+
+    def _start(self, entry: Mapping[str, Any], config: RLJobConfig) -> Any:
+        name = str(entry["worker"])
+        kind = str(entry["kind"])
+        if kind not in SUPPORTED_KINDS:
+            raise StepFailed(
+                f"worker {name}: the ray runtime runs {', '.join(SUPPORTED_KINDS)} workers, not {kind!r}"
+            )
+        existing = worker_handle(self.node.name, name)
+        if existing is not None:
+            return existing
+        devices = list(entry.get("devices", []))
+        if kind in ENGINE_KINDS:
+            settings = job_driver.engine_settings(config)
+            return start_worker_actor(
+                self.node, name, devices, EngineWorker, config.model.to_json(), settings
+            )
+        if kind == "actor":
+            return start_worker_actor(self.node, name, devices, TrainerRankWorker, config.trainer_config())
+        return start_worker_actor(self.node, name, devices, RewardWorker)
+
+    def stop_workers(
+        self, job_id: int, worker_names: Sequence[str], *, redo_from_iteration: int | None = None
+    ) -> dict[str, Any]:
+        """Kill the workers' actors; once a job has no worker left anywhere, its driver too. A job
+        being placed anew (``redo_from_iteration``) restarts from the driver's state, which the
+        new workers' driver has no part of: its iterations are redone from scratch."""
+        stopped: dict[str, dict[str, Any]] = {}
+        jobs = {job_id} if job_id else set()
+        for name in worker_names:
+            try:
+                stop_worker(self.node.name, name)
+                stopped[name] = {"ok": True, "error": ""}
+            except TimeoutError as exc:
+                stopped[name] = {"ok": False, "error": str(exc)}
+            with self._lock:
+                self._payloads.pop(name, None)
+                self._samples.pop(name, None)
+                client = self._engines.pop(name, None)
+            if client is not None:
+                client.close()
+            if (owner := job_of(name)) is not None:
+                jobs.add(owner)
+        for owner in jobs:
+            if not job_driver.job_actors(owner):
+                job_driver.stop_driver(owner)
+                with self._lock:
+                    self._specs.pop(owner, None)
+                    self._lost.pop(owner, None)
+        return {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
+
+    def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        step = payload.get("step", {})
+        kind = step.get("kind") if isinstance(step, Mapping) else None
+        raise StepFailed(f"the ray backend does not carry out migration steps yet (step {kind!r})")
+
+    def telemetry(self) -> Telemetry:
+        now = time.time()
+        workers: list[WorkerReading] = []
+        cpu_by_device: dict[int, float] = {}
+        with self._lock:
+            payloads = dict(self._payloads)
+        for name, payload in payloads.items():
+            reading = self._read_worker(name, payload, now)
+            if reading is None:
+                continue
+            workers.append(reading[0])
+            for device in payload.get("devices", []):
+                index = int(device["index"])
+                cpu_by_device[index] = cpu_by_device.get(index, 0.0) + reading[1]
+        # Without NVML (which the agent reads itself where present) a device's reading is the CPU
+        # share of the worker processes holding it: on a CPU host that is where their work runs.
+        devices = [
+            DeviceReading(index=index, utilisation=min(1.0, share), memory_used_gb=0.0)
+            for index, share in sorted(cpu_by_device.items())
+        ]
+        return Telemetry(devices=devices, workers=workers, jobs=self._job_entries(payloads))
+
+    def _read_worker(
+        self, name: str, payload: Mapping[str, Any], now: float
+    ) -> tuple[WorkerReading, float] | None:
+        handle = worker_handle(self.node.name, name)
+        job = job_of(name)
+        try:
+            if handle is None:
+                raise RayActorError()
+            usage: WorkerUsage = ray.get(handle.usage.remote(), timeout=CALL_TIMEOUT_S)
+        except GetTimeoutError:
+            return None  # busy in a long call; its next reading covers this interval too
+        except RayActorError:
+            if job is not None:
+                with self._lock:
+                    self._lost.setdefault(job, f"worker {name} on {self.host} died (its Ray actor is gone)")
+            return None
+        with self._lock:
+            previous = self._samples.get(name)
+            self._samples[name] = _Sample(at=now, usage=usage)
+        if previous is None:
+            return None
+        elapsed = max(now - previous.at, 1e-6)
+        cpu_share = max(0.0, usage.cpu_s - previous.usage.cpu_s) / elapsed
+        tokens = max(0, usage.tokens - previous.usage.tokens)
+        kind = str(payload.get("kind"))
+        if kind in ENGINE_KINDS:
+            return self._engine_reading(name, handle, now, tokens), cpu_share
+        busy = max(0.0, usage.busy_s - previous.usage.busy_s) / elapsed
+        return WorkerReading(worker=name, at=now, utilisation=min(1.0, busy), tokens=tokens), cpu_share
+
+    def _engine_reading(self, name: str, handle: Any, now: float, tokens: int) -> WorkerReading:
+        """An engine's load as it serves it (``/v1/loads``, as a real SGLang server would): running
+        and waiting requests, utilisation as the decode steps' occupancy of the running slots
+        where the engine reports it, else running over the most it runs at once."""
+        with self._lock:
+            client = self._engines.get(name)
+        if client is None:
+            client = EngineClient(
+                str(ray.get(handle.url.remote(), timeout=CALL_TIMEOUT_S)), timeout_s=CALL_TIMEOUT_S
+            )
+            with self._lock:
+                self._engines[name] = client
+        try:
+            load = client.loads()
+        except (EngineError, OSError):
+            return WorkerReading(worker=name, at=now, utilisation=0.0, tokens=tokens)
+        ranks = load.raw.get("loads", []) if isinstance(load.raw, Mapping) else []
+        occupancies = [
+            float(rank["cpu_engine"]["decode_step_occupancy"])
+            for rank in ranks
+            if isinstance(rank, Mapping) and isinstance(rank.get("cpu_engine"), Mapping)
+        ]
+        if occupancies:
+            occupancy = sum(occupancies) / len(occupancies)
+        else:
+            occupancy = load.num_running_reqs / max(1, load.max_running_requests or 1)
+        return WorkerReading(
+            worker=name,
+            at=now,
+            utilisation=min(1.0, float(occupancy)),
+            queue_length=load.num_waiting_reqs,
+            in_flight=load.num_running_reqs,
+            tokens=tokens,
+        )
+
+    def _job_entries(self, payloads: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+        by_job: dict[int, list[Mapping[str, Any]]] = {}
+        for name, payload in payloads.items():
+            job = job_of(name)
+            if job is not None:
+                by_job.setdefault(job, []).append(payload)
+        entries = []
+        for job, mine in sorted(by_job.items()):
+            with self._lock:
+                lost = self._lost.get(job)
+            progress = job_driver.driver_progress(job)
+            entry = job_driver.progress_entry(job, progress, mine)
+            if lost is not None:
+                entry["failure"] = lost
+            entries.append(entry)
+        return entries
+
+    def observe_control(self, reply: Mapping[str, Any]) -> None:
+        """Hand each job's picture (the heartbeat reply's ``jobs`` section) to its driver."""
+        section = reply.get("jobs", reply) if isinstance(reply, Mapping) else {}
+        if not isinstance(section, Mapping):
+            return
+        for key, view in section.items():
+            if str(key).isdigit() and isinstance(view, Mapping) and "iteration" in view:
+                job_driver.observe(int(key), view)
+
+    def running_workers(self) -> Sequence[str]:
+        return node_workers(self.node.name)
+
+    def reconcile(self, workers: Sequence[Mapping[str, Any]], jobs: Mapping[str, Any]) -> dict[str, Any]:
+        """After the agent registers again: keep the actors the control plane lists here (they
+        ran on while the agent was away), stop any other. A listed worker whose actor is gone
+        cannot be started again with its state: its job is reported failed."""
+        wanted = {str(w["worker"]): w for w in workers}
+        running = set(self.running_workers())
+        extra = sorted(running - set(wanted))
+        if extra:
+            self.stop_workers(0, extra)
+        with self._lock:
+            for key, spec in jobs.items():
+                if str(key).isdigit() and isinstance(spec, Mapping):
+                    self._specs[int(key)] = spec
+            for name, payload in wanted.items():
+                self._payloads[name] = payload
+                job = job_of(name)
+                if name not in running and job is not None:
+                    self._lost.setdefault(
+                        job, f"worker {name} on {self.host} was gone when its agent came back"
+                    )
+        return {"stopped": extra, "relaunched": []}
+
+    def close(self) -> None:
+        """Leave the cluster; the workers and drivers run on (they are detached)."""
+        if ray.is_initialized():
+            ray.shutdown()
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def actor_of(self, worker: str) -> str:
+        return actor_name(self.node.name, worker)

@@ -1,0 +1,125 @@
+"""A real RL job on the live stack: submitted through the REST API, placed by the control plane on
+two Ray nodes, run by their agents (``--backend ray``) as real engines, a real trainer and a reward
+worker, learning, and succeeding; a job whose worker dies fails with a reason an operator reads.
+Nothing is left on the Ray cluster afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from agents.backends.ray import driver as job_driver
+from agents.backends.ray.actors import actor_name
+from agents.backends.ray.connection import connect
+from jobs.models import Job, JobState, Worker
+from tests.e2e.helpers import submit, wait_released, wait_running
+from tests.ray_cluster import NAMESPACE, LocalRayCluster
+from tests.services import wait_until
+from tests.stack import LiveStack
+
+ITERATIONS = 6
+
+
+def real_job(name: str, **workload: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "backend": "ray",
+        "model": {"name": "tiny-gpt", "params_b": 0.0001},
+        "workload": {
+            "iterations": ITERATIONS,
+            "prompts_per_iteration": 8,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 48,
+            **workload,
+        },
+        "runtime": {
+            "model": {
+                "hidden_size": 32,
+                "num_layers": 2,
+                "num_heads": 2,
+                "ffn_hidden_size": 64,
+                "max_positions": 64,
+            },
+            "task": {"max_digits": 2},
+            "warm_start_steps": 150,
+            "learning_rate": 0.002,
+            "micro_batch_size": 8,
+        },
+        "components": [
+            {"name": "rollout", "kind": "rollout", "workers": 2},
+            {"name": "reward", "kind": "reward", "workers": 1},
+            {"name": "actor", "kind": "actor", "workers": 2, "depends_on": ["rollout", "reward"]},
+        ],
+        "policy": {"name": "static-disaggregated"},
+    }
+
+
+def start_ray_agents(stack: LiveStack, cluster: LocalRayCluster, checkpoints: Path) -> None:
+    agents = [
+        stack.start_ray_agent(node, address=cluster.address, namespace=NAMESPACE, checkpoint_dir=checkpoints)
+        for node in cluster.nodes
+    ]
+    for agent in agents:
+        agent.wait_registered()
+
+
+def wait_state(stack: LiveStack, job: Job, state: str, timeout_s: float) -> None:
+    def reached() -> bool:
+        job.refresh_from_db()
+        return job.state == state or job.is_terminal
+
+    assert wait_until(reached, timeout_s=timeout_s), f"job {job.pk} is {job.state}\n{stack.logs()}"
+    assert job.state == state, f"job {job.pk} ended {job.state}: {job.state_detail}\n{stack.logs()}"
+
+
+def nothing_left(cluster: LocalRayCluster, job: Job) -> bool:
+    connect(cluster.address, namespace=NAMESPACE)
+    return not job_driver.job_actors(job.pk) and job_driver.driver_handle(job.pk) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_job_learns_and_succeeds(
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    job = submit(live_stack, real_job("real-math"))
+    wait_running(live_stack, job, timeout_s=180)
+    wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
+    assert job.iteration == ITERATIONS
+
+    status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
+    assert status == 200, results
+    assert [r["iteration"] for r in results] == list(range(ITERATIONS))
+    # Each iteration ended with every rollout engine on the trainer's new weights (checked by the
+    # driver before the iteration's result exists), one version per optimizer step.
+    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(ITERATIONS)]
+    assert all(r["metrics"]["samples"] == 32 for r in results)
+    # It learns: the last iterations' mean reward is above the first's.
+    rewards = [r["mean_reward"] for r in results]
+    assert sum(rewards[-2:]) / 2 > rewards[0] + 0.05, rewards
+
+    wait_released(live_stack, job)
+    assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_whose_engine_dies_fails_with_a_readable_reason(
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    job = submit(live_stack, real_job("doomed", iterations=50))
+    wait_running(live_stack, job, timeout_s=180)
+    assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
+    engine = Worker.objects.get(group__job=job, name=f"j{job.pk}-rollout-w1")
+    node = engine.devices.get().node.name
+    connect(ray_cluster.address, namespace=NAMESPACE)
+    ray.kill(ray.get_actor(actor_name(node, engine.name)), no_restart=True)
+
+    wait_state(live_stack, job, JobState.FAILED, timeout_s=120)
+    assert job.state_reason == "worker_failed"
+    assert engine.name in job.state_detail, job.state_detail
+    wait_released(live_stack, job)
+    assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()

@@ -1,0 +1,180 @@
+"""The ``ray`` backend as two node agents drive it: workers launched on their nodes, one driver
+for the job, iterations run as the control plane opens them, telemetry measured from the workers,
+and a dead worker reported as the job's failure. The control plane's side is played by the test
+(the live stack's tests run it for real)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from agents.backends.ray import driver as job_driver
+from agents.backends.ray.actors import stop_worker
+from agents.backends.ray.backend import RayBackend
+from jobs.spec import parse_spec
+from runtime.engine.client import EngineClient
+from tests.ray_cluster import NAMESPACE, LocalRayCluster
+
+ITERATIONS = 3
+
+
+def tiny_spec(name: str) -> dict[str, Any]:
+    return parse_spec(
+        {
+            "name": name,
+            "backend": "ray",
+            "model": {"name": "tiny-gpt", "params_b": 0.00002},
+            "workload": {
+                "iterations": ITERATIONS,
+                "prompts_per_iteration": 4,
+                "samples_per_prompt": 2,
+                "max_new_tokens": 40,
+            },
+            "runtime": {
+                "model": {
+                    "hidden_size": 32,
+                    "num_layers": 1,
+                    "num_heads": 2,
+                    "ffn_hidden_size": 64,
+                    "max_positions": 64,
+                },
+                "task": {"max_digits": 2},
+                "warm_start_steps": 10,
+                "micro_batch_size": 4,
+            },
+            "components": [
+                {"name": "rollout", "kind": "rollout", "workers": 2},
+                {"name": "reward", "kind": "reward", "workers": 1},
+                {"name": "actor", "kind": "actor", "workers": 2},
+            ],
+            "policy": {"name": "static-disaggregated"},
+        }
+    ).to_json()
+
+
+def worker(job: int, group: str, index: int, kind: str, device: int) -> dict[str, Any]:
+    return {
+        "worker": f"j{job}-{group}-w{index}",
+        "job": job,
+        "group": group,
+        "kind": kind,
+        "tp": 1,
+        "pp": 1,
+        "devices": [{"uid": f"x/gpu{device}", "index": device, "hardware": "ray-logical", "shared": False}],
+    }
+
+
+def layout(job: int) -> dict[str, list[dict[str, Any]]]:
+    return {
+        "node-a": [
+            worker(job, "rollout", 0, "rollout", 0),
+            worker(job, "actor", 0, "actor", 1),
+            worker(job, "reward", 0, "reward", 2),
+        ],
+        "node-b": [worker(job, "rollout", 1, "rollout", 0), worker(job, "actor", 1, "actor", 1)],
+    }
+
+
+def picture(job: int, iteration: int) -> dict[str, Any]:
+    groups: dict[str, dict[str, Any]] = {}
+    for workers in layout(job).values():
+        for w in workers:
+            groups.setdefault(w["group"], {"kind": w["kind"], "workers": []})["workers"].append(w["worker"])
+    return {"jobs": {str(job): {"iteration": iteration, "state": "running", "groups": groups}}}
+
+
+@pytest.fixture
+def agents(ray_cluster: LocalRayCluster, tmp_path: Path) -> Iterator[dict[str, RayBackend]]:
+    backends = {
+        node: RayBackend(node, address=ray_cluster.address, namespace=NAMESPACE, checkpoint_dir=str(tmp_path))
+        for node in ray_cluster.nodes
+    }
+    yield backends
+    # Whatever a test left, nothing of its jobs stays on the cluster.
+    for name in ray.util.list_named_actors():
+        node, _, worker_name = name.partition("/")
+        if worker_name.startswith("j") and node in backends:
+            stop_worker(node, worker_name)
+        elif name.startswith(job_driver.DRIVER_PREFIX):
+            job_driver.stop_driver(int(name.removeprefix(job_driver.DRIVER_PREFIX)))
+
+
+def launch(agents: dict[str, RayBackend], job: int) -> None:
+    spec = tiny_spec(f"job-{job}")
+    for node, workers in layout(job).items():
+        outcome = agents[node].launch_workers({"job": job, "spec": spec}, workers)
+        assert outcome["ok"], outcome
+
+
+def entry_until(
+    backend: RayBackend, job: int, done: Callable[[dict[str, Any]], bool], timeout_s: float = 240.0
+) -> dict[str, Any]:
+    """The backend's heartbeat entry for ``job`` once ``done`` holds (polled as a heartbeat would)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = {e["job"]: e for e in backend.telemetry().jobs}
+        entry = entries.get(job)
+        if entry is not None and done(entry):
+            return entry
+        assert time.monotonic() < deadline, f"job {job}'s entry never got there: {entry}"
+        time.sleep(0.2)
+
+
+def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[str, RayBackend]) -> None:
+    job = 31
+    launch(agents, job)
+    assert sorted(agents["node-a"].running_workers()) == [
+        f"j{job}-actor-w0",
+        f"j{job}-reward-w0",
+        f"j{job}-rollout-w0",
+    ]
+    # Nothing runs before the control plane opens iteration 0.
+    assert agents["node-b"].telemetry().jobs[0]["trained_iteration"] is None
+    for iteration in range(ITERATIONS):
+        for backend in agents.values():
+            backend.observe_control(picture(job, iteration))
+        entry = entry_until(agents["node-b"], job, lambda e, k=iteration: e["trained_iteration"] == k)
+        assert entry["iteration"] == iteration and "failure" not in entry
+        # node-b's part: its rollout engine's samples and the trainer gang's trained samples.
+        assert entry["groups"]["actor"] == {"completed": 8, "assigned": 8}
+        assert 0 <= entry["groups"]["rollout"]["completed"] <= 8
+    results = entry["results"]
+    assert [r["iteration"] for r in results] == list(range(ITERATIONS))
+    assert [r["weight_version"] for r in results] == [str(k + 1) for k in range(ITERATIONS)]
+    assert all(r["samples"] == 8 and 0.0 <= r["mean_reward"] <= 1.0 for r in results)
+    node_a = entry_until(agents["node-a"], job, lambda e: e["trained_iteration"] == ITERATIONS - 1)
+    assert node_a["groups"]["rollout"]["completed"] + entry["groups"]["rollout"]["completed"] == 8
+    # Every rollout engine holds the trainer's last weights.
+    for node, backend in agents.items():
+        handle = ray.get_actor(backend.actor_of(f"j{job}-rollout-w{0 if node == 'node-a' else 1}"))
+        assert EngineClient(ray.get(handle.url.remote(), timeout=30)).weight_version() == str(ITERATIONS)
+    # Measured telemetry: the trainer ranks worked, the engines generated tokens.
+    readings = {r.worker: r for r in agents["node-a"].telemetry().workers}
+    assert (
+        readings[f"j{job}-rollout-w0"].tokens >= 0 and 0.0 <= readings[f"j{job}-actor-w0"].utilisation <= 1.0
+    )
+    # The job finished: its workers stop, and with the last of them its driver.
+    for node, workers in layout(job).items():
+        assert agents[node].stop_workers(job, [w["worker"] for w in workers])["ok"]
+    assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
+
+
+def test_a_worker_that_dies_fails_the_job_with_a_readable_reason(agents: dict[str, RayBackend]) -> None:
+    job = 32
+    launch(agents, job)
+    agents["node-b"].telemetry()  # a first reading of each worker
+    ray.kill(ray.get_actor(agents["node-b"].actor_of(f"j{job}-rollout-w1")), no_restart=True)
+    for backend in agents.values():
+        backend.observe_control(picture(job, 0))
+    on_b = entry_until(agents["node-b"], job, lambda e: "failure" in e)
+    assert on_b["failure"] == f"worker j{job}-rollout-w1 on node-b died (its Ray actor is gone)"
+    on_a = entry_until(agents["node-a"], job, lambda e: "failure" in e)
+    assert on_a["failure"].startswith("a worker of the job died") or "j32-rollout-w1" in on_a["failure"]
+    for node, workers in layout(job).items():
+        agents[node].stop_workers(job, [w["worker"] for w in workers])
+    assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
