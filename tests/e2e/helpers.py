@@ -13,6 +13,7 @@ from django.utils import timezone
 from cluster.models import Device, DeviceStatus
 from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
+from tests.ray_cluster import NAMESPACE, LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack, NodeAgent
 
@@ -186,3 +187,49 @@ def journal_events(agent: NodeAgent) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return events
+
+
+REAL_JOB_ITERATIONS = 6
+
+
+def real_job(name: str, **workload: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "backend": "ray",
+        "model": {"name": "tiny-gpt", "params_b": 0.0001},
+        "workload": {
+            "iterations": REAL_JOB_ITERATIONS,
+            "prompts_per_iteration": 8,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 48,
+            **workload,
+        },
+        "runtime": {
+            "model": {
+                "hidden_size": 32,
+                "num_layers": 2,
+                "num_heads": 2,
+                "ffn_hidden_size": 64,
+                "max_positions": 64,
+            },
+            "task": {"max_digits": 2},
+            "warm_start_steps": 150,
+            "learning_rate": 0.002,
+            "micro_batch_size": 8,
+        },
+        "components": [
+            {"name": "rollout", "kind": "rollout", "workers": 2},
+            {"name": "reward", "kind": "reward", "workers": 1},
+            {"name": "actor", "kind": "actor", "workers": 2, "depends_on": ["rollout", "reward"]},
+        ],
+        "policy": {"name": "static-disaggregated"},
+    }
+
+
+def start_ray_agents(stack: LiveStack, cluster: LocalRayCluster, checkpoints: Path) -> None:
+    agents = [
+        stack.start_ray_agent(node, address=cluster.address, namespace=NAMESPACE, checkpoint_dir=checkpoints)
+        for node in cluster.nodes
+    ]
+    for agent in agents:
+        agent.wait_registered()

@@ -6,7 +6,6 @@ Nothing is left on the Ray cluster afterwards."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -15,55 +14,17 @@ from agents.backends.ray import driver as job_driver
 from agents.backends.ray.actors import actor_name
 from agents.backends.ray.connection import connect
 from jobs.models import Job, JobState, Worker
-from tests.e2e.helpers import submit, wait_released, wait_running
+from tests.e2e.helpers import (
+    REAL_JOB_ITERATIONS,
+    real_job,
+    start_ray_agents,
+    submit,
+    wait_released,
+    wait_running,
+)
 from tests.ray_cluster import NAMESPACE, LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack
-
-ITERATIONS = 6
-
-
-def real_job(name: str, **workload: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "backend": "ray",
-        "model": {"name": "tiny-gpt", "params_b": 0.0001},
-        "workload": {
-            "iterations": ITERATIONS,
-            "prompts_per_iteration": 8,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 48,
-            **workload,
-        },
-        "runtime": {
-            "model": {
-                "hidden_size": 32,
-                "num_layers": 2,
-                "num_heads": 2,
-                "ffn_hidden_size": 64,
-                "max_positions": 64,
-            },
-            "task": {"max_digits": 2},
-            "warm_start_steps": 150,
-            "learning_rate": 0.002,
-            "micro_batch_size": 8,
-        },
-        "components": [
-            {"name": "rollout", "kind": "rollout", "workers": 2},
-            {"name": "reward", "kind": "reward", "workers": 1},
-            {"name": "actor", "kind": "actor", "workers": 2, "depends_on": ["rollout", "reward"]},
-        ],
-        "policy": {"name": "static-disaggregated"},
-    }
-
-
-def start_ray_agents(stack: LiveStack, cluster: LocalRayCluster, checkpoints: Path) -> None:
-    agents = [
-        stack.start_ray_agent(node, address=cluster.address, namespace=NAMESPACE, checkpoint_dir=checkpoints)
-        for node in cluster.nodes
-    ]
-    for agent in agents:
-        agent.wait_registered()
 
 
 def wait_state(stack: LiveStack, job: Job, state: str, timeout_s: float) -> None:
@@ -88,14 +49,16 @@ def test_a_real_job_learns_and_succeeds(
     job = submit(live_stack, real_job("real-math"))
     wait_running(live_stack, job, timeout_s=180)
     wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
-    assert job.iteration == ITERATIONS
+    assert job.iteration == REAL_JOB_ITERATIONS
 
     status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
     assert status == 200, results
-    assert [r["iteration"] for r in results] == list(range(ITERATIONS))
+    assert [r["iteration"] for r in results] == list(range(REAL_JOB_ITERATIONS))
     # Each iteration ended with every rollout engine on the trainer's new weights (checked by the
     # driver before the iteration's result exists), one version per optimizer step.
-    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(ITERATIONS)]
+    assert [r["metrics"]["weight_version"] for r in results] == [
+        str(k + 1) for k in range(REAL_JOB_ITERATIONS)
+    ]
     assert all(r["metrics"]["samples"] == 32 for r in results)
     # It learns: the last iterations' mean reward is above the first's.
     rewards = [r["mean_reward"] for r in results]

@@ -6,6 +6,7 @@ and the API refuses the viewer's migrate request."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +17,10 @@ from common.models import AuditEvent
 from jobs import services
 from jobs.models import Job, JobState
 from scheduler.models import Migration, MigrationState, SchedulingDecision, Tick
+from tests.e2e.helpers import real_job, start_ray_agents
 from tests.factories import spec
 from tests.frontend.conftest import screenshot
+from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack
 
@@ -271,3 +274,32 @@ def test_a_viewer_sees_no_controls_and_the_api_refuses_the_viewers_migrate(
     viewer = users["viewer"][0]
     assert not Migration.objects.filter(job_id=job_id, requested_by=viewer).exists()
     assert not AuditEvent.objects.filter(actor=viewer, verb="job.migrate").exists()
+
+
+def test_a_real_jobs_page_draws_its_reward_curve_as_it_trains(
+    live_stack: LiveStack, login: Any, ray_cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    """A job on the ray backend: its page gains a point of the reward curve and of the rollout's
+    throughput and lengths for every iteration trained, live, and says which weights the engines
+    hold."""
+    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    status, job = live_stack.api("POST", "/api/v1/jobs/", real_job("real-page", iterations=3))
+    assert status == 201, job
+    page: Page = login("viewer")
+    open_job_page(page, int(job["id"]))
+    expect(page.locator("#training")).to_be_visible()
+    expect(page.locator("#job-state")).to_have_text("succeeded", timeout=300_000)
+    expect(page.locator("#reward-chart .scatterlayer .trace").first.locator(".point")).to_have_count(
+        3, timeout=LIVE_TIMEOUT_MS
+    )
+    expect(page.locator("#rollout-chart .barlayer .point")).to_have_count(3)
+    expect(page.locator("#training-meta")).to_contain_text("iteration 2: reward")
+    expect(page.locator("#training-meta")).to_contain_text("weights v3 on every engine")
+    screenshot(page, "job-page-real-training")
+
+
+def test_a_simulated_jobs_page_has_no_training_card(live_stack: LiveStack, login: Any) -> None:
+    job_id = running_job(live_stack, long_job("sim-page"))
+    page: Page = login("viewer")
+    open_job_page(page, job_id)
+    expect(page.locator("#training")).to_have_count(0)

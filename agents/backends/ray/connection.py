@@ -18,14 +18,12 @@ import logging
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import ray
 from ray._private import ray_constants
 
-# Ray's switch for "this machine's nodes talk over loopback only" (its name says Windows/OSX,
-# where that is the default; on Linux it is off unless set to 0).
-LOOPBACK_ENV: Final = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+from agents.backends.ray import LOOPBACK_ENV
 
 
 class RayClusterError(RuntimeError):

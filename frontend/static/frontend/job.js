@@ -539,7 +539,9 @@
 
   function onTelemetry(data) {
     if (data.scope !== "job" || !page.job) return;
+    const iterationBefore = page.job.iteration;
     page.job.iteration = data.iteration ?? page.job.iteration;
+    if (page.job.iteration !== iterationBefore) refreshResults();
     page.job.tokens_per_s = data.tokens_per_s ?? page.job.tokens_per_s;
     renderHeader();
     // A roll-up older than what the charts hold (queued while the page loaded) is not plotted.
@@ -600,6 +602,44 @@
     }), PLOT_CONFIG);
   });
   const refreshPredictor = coalesced(loadPredictor, 3000);
+
+  // --- training (a real job on the ray backend) ---------------------------------------------------
+
+  const loadResults = guarded("training", async () => {
+    const rewardBox = document.getElementById("reward-chart");
+    const rolloutBox = document.getElementById("rollout-chart");
+    if (!rewardBox || !rolloutBox) return;
+    const results = await api(`jobs/${jobId}/iterations/`);
+    page.resultsSeen = results.length;
+    const meta = document.getElementById("training-meta");
+    if (!results.length) {
+      meta.textContent = "no iteration trained yet";
+      return;
+    }
+    const x = results.map((r) => r.iteration);
+    const m = results.map((r) => r.metrics);
+    const last = m[m.length - 1];
+    meta.textContent = `iteration ${last.iteration}: reward ${last.mean_reward.toFixed(3)}, accuracy ${fmtPct(last.accuracy)}, weights v${last.weight_version} on every engine`;
+    Plotly.react(rewardBox, [
+      { type: "scatter", mode: "lines+markers", name: "mean reward", x, y: results.map((r) => r.mean_reward), line: { color: "#d62728" } },
+      { type: "scatter", mode: "lines", name: "accuracy", x, y: m.map((r) => r.accuracy), line: { color: "#1f77b4", dash: "dot" } },
+    ], baseLayout({
+      height: 250, margin: { l: 55, r: 20, t: 10, b: 45 },
+      xaxis: { title: { text: "iteration" }, gridcolor: "#eef1f4", dtick: 1 },
+      yaxis: { title: { text: "reward" }, range: [0, 1], gridcolor: "#eef1f4" },
+    }), PLOT_CONFIG);
+    Plotly.react(rolloutBox, [
+      { type: "bar", name: "generated tokens/s", x, y: m.map((r) => r.tokens_generated / Math.max(r.seconds.generate, 1e-6)), marker: { color: "#9aa5b1" } },
+      { type: "scatter", mode: "lines+markers", name: "response p50", x, y: m.map((r) => r.response_length.p50), yaxis: "y2", line: { color: "#2ca02c" } },
+      { type: "scatter", mode: "lines+markers", name: "response max", x, y: m.map((r) => r.response_length.max), yaxis: "y2", line: { color: "#ff7f0e" } },
+    ], baseLayout({
+      height: 250, margin: { l: 60, r: 60, t: 10, b: 45 },
+      xaxis: { title: { text: "iteration" }, gridcolor: "#eef1f4", dtick: 1 },
+      yaxis: { title: { text: "tokens/s" }, gridcolor: "#eef1f4" },
+      yaxis2: { title: { text: "response tokens" }, overlaying: "y", side: "right", rangemode: "tozero" },
+    }), PLOT_CONFIG);
+  });
+  const refreshResults = coalesced(loadResults, 1000);
 
   // --- decisions ---------------------------------------------------------------------------------
 
@@ -818,6 +858,7 @@
     refreshTimeline();
     catchUpTelemetry();
     refreshPredictor();
+    refreshResults();
   }
 
   function onFrame(frame) {
@@ -829,7 +870,10 @@
           renderHeader();
         }
         refreshJob();
-        if (TERMINAL_JOB.has(frame.data.state)) refreshTimeline();
+        if (TERMINAL_JOB.has(frame.data.state)) {
+          refreshTimeline();
+          refreshResults();
+        }
         return undefined;
       case "snapshot":
         if (frame.data.id !== page.lastSnapshotId) refreshSnapshot();
@@ -870,7 +914,7 @@
     }, onStatus);
     await Promise.race([firstHello, new Promise((resolve) => setTimeout(resolve, 5000))]);
     await loadJob();
-    await Promise.all([loadSnapshot(), loadTimeline(), loadTelemetry(), loadPredictor(), loadDecisions(), loadMigrations()]);
+    await Promise.all([loadSnapshot(), loadTimeline(), loadTelemetry(), loadPredictor(), loadDecisions(), loadMigrations(), loadResults()]);
     loaded = true;
     for (const frame of early.splice(0)) onFrame(frame);
     root.dataset.ready = "true";
