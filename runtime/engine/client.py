@@ -43,11 +43,19 @@ class EngineError(RuntimeError):
         super().__init__(f"{route}: {where}: {message}")
 
 
-def make_rid(job: str, iteration: int, sample: int, attempt: int = 0) -> str:
-    """A request id that no other id from this function is a prefix of (see the module docstring)."""
+def make_rid(job: str, iteration: int, sample: int, attempt: int = 0, *, prompt: int | None = None) -> str:
+    """A request id that no other id from this function is a prefix of (see the module docstring).
+
+    ``prompt`` (optional) names the prompt a sample answers, for rids of grouped samples. The
+    terminating ``.`` is what makes the rule hold: ``.`` appears nowhere else, so a rid that were
+    a proper prefix of another would put a ``.`` inside it.
+    """
     if "." in job:
         raise ValueError(f"job name {job!r} must not contain '.'")
-    return f"{job}-i{iteration:06d}-s{sample:06d}-a{attempt:03d}."
+    if min(iteration, sample, attempt, 0 if prompt is None else prompt) < 0:
+        raise ValueError("rid fields must be non-negative")
+    group = "" if prompt is None else f"-p{prompt:05d}"
+    return f"{job}-i{iteration:06d}{group}-s{sample:06d}-a{attempt:03d}."
 
 
 @dataclass(frozen=True)

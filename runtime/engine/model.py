@@ -26,6 +26,7 @@ request's KV never moves while it runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from torch import nn
 
 from runtime.model.config import GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "KvPool", "expected_parameter_shapes", "init_random_gpt"]
+__all__ = ["GPT", "GPTConfig", "KvPool", "expected_parameter_shapes", "gpt_from_weights", "init_random_gpt"]
 
 
 class KvPool:
@@ -245,5 +246,14 @@ def init_random_gpt(config: GPTConfig, seed: int, std: float = 0.02) -> GPT:
                 parameter.fill_(1.0)
             else:
                 parameter.normal_(0.0, std, generator=generator)
+    model.eval()
+    return model
+
+
+def gpt_from_weights(config: GPTConfig, weights: Mapping[str, torch.Tensor]) -> GPT:
+    """A model holding ``weights`` (every parameter of the contract, e.g. a warm start's), to
+    start an engine with."""
+    model = GPT(config)
+    model.load_state_dict(dict(weights), strict=True)
     model.eval()
     return model

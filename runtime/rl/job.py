@@ -1,0 +1,298 @@
+"""What one RL job is: its configuration, its problems, its request ids and its warm start.
+
+`RLJobConfig` is everything a job needs to run (model shape, task, batch shape, sampling,
+trainer and warm-start settings), frozen, validated and JSON round-trippable, so the control
+plane can hand it to every worker as text. The rest are pure functions of it: the problems of an
+iteration, the rid and sampling seed of each sample, and the supervised warm start's weights
+(optionally cached on disk, since every job and test would otherwise redo it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from runtime.engine.client import make_rid
+from runtime.engine.cpu_engine import EngineSettings
+from runtime.model.config import GPTConfig
+from runtime.model.megatron_gpt import build_gpt_model
+from runtime.model.sft import SFTConfig, supervised_warm_start
+from runtime.model.weights import megatron_to_engine
+from runtime.rl.grpo import GRPOConfig
+from runtime.rl.trainer import TrainerConfig, training_device
+from runtime.task.arithmetic import Problem, TaskConfig, generate_problems
+from runtime.task.tokenizer import EOS_ID, PAD_ID, CharTokenizer
+
+# The weight version the warm-start weights carry: the trainer's version before its first step.
+INITIAL_WEIGHT_VERSION = "0"
+# Bumped when warm_start_weights changes what it computes, so stale cache entries are not read.
+_WARM_START_CACHE_FORMAT = 1
+
+
+def _derived_seed(*parts: object) -> int:
+    """A 31-bit seed from the parts, stable across processes and Python versions (unlike hash())."""
+    digest = hashlib.sha256("/".join(str(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFF_FFFF
+
+
+def _check_type(owner: str, name: str, value: object, kind: type) -> None:
+    # JSON hands over whatever the author wrote; a string where a number belongs must be named
+    # here rather than fail later as a TypeError deep inside a comparison.
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"{owner}.{name} must be {kind.__name__}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RLJobConfig:
+    """One RL post-training job. The global batch is ``prompts_per_iteration * group_size``.
+
+    Sampling log-probs are those of the temperature-scaled distribution (what SGLang returns)
+    while the trainer scores tokens at temperature 1, so at any ``temperature`` other than 1 the
+    PPO ratio starts away from 1: the clipping then treats the rollout as off-policy.
+    """
+
+    model: GPTConfig
+    task: TaskConfig = field(default_factory=TaskConfig)
+    seed: int = 0
+    iterations: int = 100
+    prompts_per_iteration: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    # Trainer (TrainerConfig's fields; the global batch size follows from the two above).
+    learning_rate: float = 1e-4
+    micro_batch_size: int = 16
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # Supervised warm start (SFTConfig's fields; its seed and task are the job's).
+    warm_start_steps: int = 500
+    warm_start_batch_size: int = 16
+    warm_start_learning_rate: float = 5e-3
+    warm_start_warmup_steps: int = 20
+
+    _INT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "seed",
+        "iterations",
+        "prompts_per_iteration",
+        "group_size",
+        "max_new_tokens",
+        "micro_batch_size",
+        "warm_start_steps",
+        "warm_start_batch_size",
+        "warm_start_warmup_steps",
+    )
+    _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "temperature",
+        "learning_rate",
+        "weight_decay",
+        "max_grad_norm",
+        "warm_start_learning_rate",
+    )
+    _NESTED: ClassVar[dict[str, type]] = {"model": GPTConfig, "task": TaskConfig, "grpo": GRPOConfig}
+
+    def __post_init__(self) -> None:
+        for name, kind in self._NESTED.items():
+            _check_type("RLJobConfig", name, getattr(self, name), kind)
+        for name in self._INT_FIELDS:
+            _check_type("RLJobConfig", name, getattr(self, name), int)
+        for name in self._FLOAT_FIELDS:
+            _check_type("RLJobConfig", name, getattr(self, name), float)
+        minimums = {
+            "seed": 0,
+            "iterations": 1,
+            "prompts_per_iteration": 1,
+            # A group of one always has advantage zero: nothing would be learned.
+            "group_size": 2,
+            "max_new_tokens": 1,
+            "micro_batch_size": 1,
+            "warm_start_steps": 0,
+            "warm_start_batch_size": 1,
+            "warm_start_warmup_steps": 0,
+        }
+        for name, least in minimums.items():
+            if getattr(self, name) < least:
+                raise ValueError(f"RLJobConfig.{name} must be at least {least}, got {getattr(self, name)}")
+        # Greedy sampling makes every response of a group the same: zero advantages.
+        for name in ("temperature", "learning_rate", "max_grad_norm", "warm_start_learning_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RLJobConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"RLJobConfig.weight_decay must be non-negative, got {self.weight_decay}")
+        vocab = CharTokenizer().vocab_size
+        if self.model.vocab_size != vocab:
+            raise ValueError(
+                f"RLJobConfig.model.vocab_size must be the task tokenizer's {vocab}, got {self.model.vocab_size}"
+            )
+        # BOS, two operands, "+" and the newline; every prompt + response must fit the context
+        # of the engine and of the trainer's position embeddings.
+        longest_prompt = 1 + 2 * self.task.max_digits + 2
+        if longest_prompt + self.max_new_tokens > self.model.max_positions:
+            raise ValueError(
+                f"RLJobConfig.max_new_tokens: the longest prompt ({longest_prompt} tokens) plus "
+                f"{self.max_new_tokens} new tokens exceeds model.max_positions={self.model.max_positions}"
+            )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.prompts_per_iteration * self.group_size
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(
+            model=self.model,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            learning_rate=self.learning_rate,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+            seed=self.seed,
+            pad_id=PAD_ID,
+            grpo=self.grpo,
+        )
+
+    def sft_config(self) -> SFTConfig:
+        return SFTConfig(
+            steps=self.warm_start_steps,
+            batch_size=self.warm_start_batch_size,
+            learning_rate=self.warm_start_learning_rate,
+            warmup_steps=self.warm_start_warmup_steps,
+            seed=self.seed,
+            task=self.task,
+        )
+
+    def engine_settings(
+        self, max_running_requests: int = 64, weight_version: str = INITIAL_WEIGHT_VERSION
+    ) -> EngineSettings:
+        """Settings for a CPU engine of this job (rollout or reference): the task's EOS, the
+        job's seed, and the version the trainer's weights have before its first step."""
+        return EngineSettings(
+            max_running_requests=max_running_requests,
+            eos_token_id=EOS_ID,
+            seed=self.seed,
+            weight_version=weight_version,
+        )
+
+    def sampling_params(self, seed: int) -> dict[str, Any]:
+        """SGLang ``sampling_params`` of one rollout sample. EOS is named as a stop token, so a
+        server that does not know this tokenizer's EOS stops there too."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "stop_token_ids": [EOS_ID],
+            "sampling_seed": seed,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RLJobConfig:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("an RLJobConfig must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown RLJobConfig fields: {unknown}")
+        if "model" not in data:
+            raise ValueError("RLJobConfig.model is required")
+        values: dict[str, Any] = dict(data)
+        for name, kind in cls._NESTED.items():
+            if name not in values:
+                continue
+            nested = values[name]
+            if not isinstance(nested, dict):
+                raise ValueError(f"RLJobConfig.{name} must be an object, got {nested!r}")
+            names = {f.name for f in fields(kind)}
+            extra = sorted(set(nested) - names)
+            if extra:
+                raise ValueError(f"unknown RLJobConfig.{name} fields: {extra}")
+            try:
+                values[name] = kind(**nested)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"RLJobConfig.{name}: {error}") from error
+        return cls(**values)
+
+
+def iteration_problems(config: RLJobConfig, iteration: int) -> list[Problem]:
+    """The ``prompts_per_iteration`` problems of one iteration: a function of (seed, iteration)
+    alone, so a resumed or re-run iteration sees the same problems."""
+    if iteration < 0:
+        raise ValueError(f"iteration must be non-negative, got {iteration}")
+    seed = _derived_seed("dynarl-problems", config.seed, iteration)
+    return generate_problems(config.prompts_per_iteration, seed, config.task)
+
+
+def sample_rid(job_id: str, iteration: int, prompt: int, sample: int, attempt: int = 0) -> str:
+    """The rid of one sample: unique within a job and never a prefix of another (see make_rid)."""
+    return make_rid(job_id, iteration, sample, attempt, prompt=prompt)
+
+
+def sample_seed(config: RLJobConfig, iteration: int, prompt: int, sample: int) -> int:
+    """The sampling seed of one sample, so a rollout does not depend on which engine served it
+    or in which order."""
+    return _derived_seed("dynarl-sampling", config.seed, iteration, prompt, sample)
+
+
+def response_budget(problem: Problem) -> int:
+    """Tokens of the reference solution plus EOS: the least a right answer needs."""
+    return len(problem.full_solution_text) + 1
+
+
+def warm_start_cache_key(config: RLJobConfig) -> str:
+    """What the warm start's result depends on: model shape, SFT settings (with seed and task),
+    the device kind and the torch version (initialisation and kernels differ across them)."""
+    material = json.dumps(
+        {
+            "format": _WARM_START_CACHE_FORMAT,
+            "model": asdict(config.model),
+            "sft": asdict(config.sft_config()),
+            "device": training_device().type,
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+def warm_start_weights(config: RLJobConfig, cache_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """The supervised warm start's weights in the engine's names (on the CPU), from the job's seed.
+
+    With ``cache_dir`` the result is read from, or else written to, a file named by
+    `warm_start_cache_key`; it is written to a temporary file and renamed into place, so
+    concurrent jobs never read half a file.
+    """
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"warm-start-{warm_start_cache_key(config)}.pt"
+        if path.is_file():
+            cached: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
+            return cached
+    model = build_gpt_model(config.model, seed=config.seed)
+    if config.warm_start_steps:
+        supervised_warm_start(model, CharTokenizer(), config.sft_config())
+    weights = {
+        name: tensor.cpu() for name, tensor in megatron_to_engine(model.state_dict(), config.model).items()
+    }
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                torch.save(weights, file)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+    return weights

@@ -1,0 +1,511 @@
+"""The RL iteration: generate, reward, reference log-probs, train, push, verify.
+
+`run_iteration` drives three small protocols, so the same loop runs in one process (tests, a
+single-host job) and over Ray actors (a later change):
+
+- `TrainerGroup`: every data-parallel rank takes the same global batch; rank 0 pushes the
+  weights to every rollout engine and says which version it pushed;
+- `RewardScorer`: the ``reward`` worker, exact match on the task's answer;
+- `ReferenceScorer`: the frozen warm-start policy's log-probs of each response token, served by
+  an ``inference`` engine (`EngineReference` asks any engine speaking SGLang's protocol).
+
+The rollout engines are reached only through `EngineClient`, so they may be CPU engines or
+SGLang servers. After the push every rollout engine must report the pushed weight version:
+an engine that silently kept old weights would otherwise poison every later iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol, TypeVar
+
+from runtime.engine.client import EngineClient, GenerateResult
+from runtime.rl.grpo import Trajectory
+from runtime.rl.job import RLJobConfig, iteration_problems, sample_rid, sample_seed
+from runtime.rl.trainer import Trainer, TrainStepMetrics
+from runtime.rl.weight_push import WeightPusher
+from runtime.task.arithmetic import Problem, score
+from runtime.task.tokenizer import CharTokenizer
+
+T = TypeVar("T")
+TOKENIZER = CharTokenizer()
+# Groups in flight at once from one rollout call: enough to fill every engine's running batch,
+# few enough that the client's threads stay cheap.
+DEFAULT_MAX_CONCURRENCY = 64
+
+
+class RolloutError(RuntimeError):
+    """The rollout did not produce a usable sample (an aborted or empty response)."""
+
+
+class WeightVersionMismatchError(RuntimeError):
+    """After a push, a rollout engine does not report the version the trainer pushed."""
+
+    def __init__(self, expected: str, reported: dict[str, str]) -> None:
+        self.expected = expected
+        self.reported = reported
+        wrong = {url: version for url, version in reported.items() if version != expected}
+        super().__init__(
+            f"the trainer pushed weight version {expected!r} but {len(wrong)} of {len(reported)} "
+            f"rollout engines report otherwise: {wrong}"
+        )
+
+
+# ---------------------------------------------------------------------------------- protocols
+
+
+class TrainerGroup(Protocol):
+    """The trainer's data-parallel ranks, driven as one."""
+
+    def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepMetrics:
+        """One optimizer step on the global batch (every rank gets all of it)."""
+        ...
+
+    def push_weights(self) -> str:
+        """Rank 0 sends the current weights to every rollout engine; returns their version."""
+        ...
+
+
+class RewardScorer(Protocol):
+    def score(self, problems_and_texts: Sequence[tuple[Problem, str]]) -> list[float]:
+        """One reward per (problem, response text), in order."""
+        ...
+
+
+class ReferenceScorer(Protocol):
+    def response_logprobs(
+        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[list[float]]:
+        """The reference policy's log-prob of each response token, per (prompt ids, response ids)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------- parts
+
+
+class ExactMatchReward:
+    """The task's rule-based reward, computed in-process."""
+
+    def score(self, problems_and_texts: Sequence[tuple[Problem, str]]) -> list[float]:
+        return [score(problem, text) for problem, text in problems_and_texts]
+
+
+class LeastOutstanding:
+    """Picks the engine with the fewest requests this client has in flight on it (ties: the
+    lowest index), so long responses on one engine steer new requests to the others."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError("at least one engine is needed")
+        self._outstanding = [0] * count
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def acquire(self) -> Iterator[int]:
+        with self._lock:
+            index = min(range(len(self._outstanding)), key=lambda i: (self._outstanding[i], i))
+            self._outstanding[index] += 1
+        try:
+            yield index
+        finally:
+            with self._lock:
+                self._outstanding[index] -= 1
+
+
+def _run_spread(
+    clients: Sequence[EngineClient],
+    calls: Sequence[Callable[[EngineClient], T]],
+    max_concurrency: int,
+) -> list[tuple[int, T]]:
+    """Run every call on the least loaded client, concurrently; (client index, result) in order."""
+    balancer = LeastOutstanding(len(clients))
+
+    def run(call: Callable[[EngineClient], T]) -> tuple[int, T]:
+        with balancer.acquire() as index:
+            return index, call(clients[index])
+
+    if not calls:
+        return []
+    with ThreadPoolExecutor(
+        max_workers=min(len(calls), max_concurrency), thread_name_prefix="rollout"
+    ) as pool:
+        return list(pool.map(run, calls))
+
+
+class EngineReference:
+    """`ReferenceScorer` over ``inference`` engines holding the frozen warm-start weights:
+    prefill-only ``/generate`` requests (`EngineClient.input_logprobs_batch`), ``batch_size``
+    sequences per request, spread over the engines. Their rids are left to the server (SGLang
+    gives each a UUID, never a prefix of another)."""
+
+    def __init__(
+        self, clients: Sequence[EngineClient], batch_size: int = 16, max_concurrency: int = 16
+    ) -> None:
+        if not clients:
+            raise ValueError("a reference needs at least one engine")
+        if batch_size < 1 or max_concurrency < 1:
+            raise ValueError("batch_size and max_concurrency must be positive")
+        self.clients = list(clients)
+        self.batch_size = batch_size
+        self.max_concurrency = max_concurrency
+
+    def response_logprobs(
+        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[list[float]]:
+        chunks = [list(sequences[i : i + self.batch_size]) for i in range(0, len(sequences), self.batch_size)]
+
+        def scorer(
+            chunk: list[tuple[Sequence[int], Sequence[int]]],
+        ) -> Callable[[EngineClient], list[list[float]]]:
+            def call(client: EngineClient) -> list[list[float]]:
+                answers = client.input_logprobs_batch(
+                    [[*prompt, *response] for prompt, response in chunk],
+                    [len(prompt) for prompt, _ in chunk],
+                )
+                return [answer.logprobs for answer in answers]
+
+            return call
+
+        results = _run_spread(self.clients, [scorer(chunk) for chunk in chunks], self.max_concurrency)
+        logprobs = [row for _, rows in results for row in rows]
+        for (_, response), row in zip(sequences, logprobs, strict=True):
+            if len(row) != len(response):
+                raise RuntimeError(f"the reference scored {len(row)} of {len(response)} response tokens")
+        return logprobs
+
+
+class InProcessTrainerGroup:
+    """A `TrainerGroup` of one rank in this process; rank 0's pusher feeds the rollout engines."""
+
+    def __init__(self, trainer: Trainer, pusher: WeightPusher) -> None:
+        if trainer.world_size != 1:
+            raise ValueError("an in-process trainer group has exactly one rank")
+        self.trainer = trainer
+        self.pusher = pusher
+
+    def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepMetrics:
+        return self.trainer.train_step(trajectories)
+
+    def push_weights(self) -> str:
+        version = self.trainer.weight_version
+        self.pusher.push(self.trainer.engine_weights(), version)
+        return version
+
+
+# ---------------------------------------------------------------------------------- rollout
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One generated response, as the engine returned it."""
+
+    prompt_index: int
+    sample_index: int
+    rid: str
+    engine: int  # index into the rollout engines
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    weight_versions: tuple[str | None, ...]
+    finish_type: str
+    text: str
+
+    @property
+    def group_id(self) -> str:
+        return f"p{self.prompt_index}"
+
+
+def rollout(
+    engines: Sequence[EngineClient],
+    problems: Sequence[Problem],
+    config: RLJobConfig,
+    job_id: str,
+    iteration: int,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+) -> list[RolloutSample]:
+    """``config.group_size`` samples of every problem, prompt-major.
+
+    Each prompt's group goes to the rollout engine with the fewest of this call's groups in
+    flight, as one batch ``/generate`` (one HTTP round trip per group rather than per sample,
+    and the group's shared prompt is prefilled once into the engine's prefix cache); the engines
+    batch all of them continuously. Every sample has its own rid and sampling seed, so which
+    engine served it, and in which order, changes nothing.
+    """
+    if not engines:
+        raise ValueError("a rollout needs at least one engine")
+    prompts = [TOKENIZER.encode(problem.prompt_text, add_bos=True) for problem in problems]
+
+    def group(prompt: int) -> Callable[[EngineClient], list[GenerateResult]]:
+        samples = range(config.group_size)
+
+        def call(client: EngineClient) -> list[GenerateResult]:
+            return client.generate_batch(
+                [prompts[prompt]] * config.group_size,
+                [config.sampling_params(sample_seed(config, iteration, prompt, s)) for s in samples],
+                rids=[sample_rid(job_id, iteration, prompt, s) for s in samples],
+                return_logprob=True,
+            )
+
+        return call
+
+    answers = _run_spread(engines, [group(prompt) for prompt in range(len(problems))], max_concurrency)
+    samples: list[RolloutSample] = []
+    for prompt, (engine, results) in enumerate(answers):
+        if len(results) != config.group_size:
+            raise RolloutError(
+                f"engine {engines[engine].base_url} answered {len(results)} of a group's requests"
+            )
+        for sample, result in enumerate(results):
+            if result.aborted or not result.output_ids:
+                raise RolloutError(
+                    f"sample {result.rid!r} on engine {engines[engine].base_url} came back "
+                    f"{result.finish_type} with {len(result.output_ids)} tokens"
+                )
+            if len(result.output_logprobs) != len(result.output_ids):
+                raise RolloutError(
+                    f"sample {result.rid!r} has log-probs for {len(result.output_logprobs)} of "
+                    f"{len(result.output_ids)} tokens"
+                )
+            samples.append(
+                RolloutSample(
+                    prompt_index=prompt,
+                    sample_index=sample,
+                    rid=result.rid,
+                    engine=engine,
+                    prompt_ids=tuple(prompts[prompt]),
+                    response_ids=tuple(result.output_ids),
+                    logprobs=tuple(result.output_logprobs),
+                    weight_versions=tuple(result.token_weight_versions()),
+                    finish_type=result.finish_type,
+                    text=TOKENIZER.decode(result.output_ids),
+                )
+            )
+    return samples
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def percentile(sorted_values: Sequence[int], q: float) -> int:
+    """The nearest-rank percentile (a value that occurred) of ascending values."""
+    if not sorted_values:
+        raise ValueError("no values")
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Response lengths in tokens; ``histogram`` holds (bucket upper bound, count) over
+    power-of-two buckets (1], (1, 2], (2, 4], ..., empty buckets left out."""
+
+    count: int
+    mean: float
+    min: int
+    p50: int
+    p90: int
+    p99: int
+    max: int
+    histogram: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> LengthStats:
+        ordered = sorted(lengths)
+        if not ordered:
+            raise ValueError("no lengths")
+        buckets = Counter(1 << max(0, (length - 1).bit_length()) for length in ordered)
+        return cls(
+            count=len(ordered),
+            mean=sum(ordered) / len(ordered),
+            min=ordered[0],
+            p50=percentile(ordered, 50),
+            p90=percentile(ordered, 90),
+            p99=percentile(ordered, 99),
+            max=ordered[-1],
+            histogram=tuple(sorted(buckets.items())),
+        )
+
+
+@dataclass(frozen=True)
+class PhaseSeconds:
+    generate: float
+    reward: float
+    reference: float
+    train: float
+    push: float
+    verify: float
+
+    @property
+    def total(self) -> float:
+        return self.generate + self.reward + self.reference + self.train + self.push + self.verify
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    """What one iteration did, for the job's log and the control plane's predictor."""
+
+    iteration: int
+    trainer_step: int
+    # The version every rollout engine reports after the push.
+    weight_version: str
+    # Versions the iteration's samples were generated under (one, unless weights moved mid-rollout).
+    sampled_weight_versions: tuple[str, ...]
+    prompts: int
+    samples: int
+    mean_reward: float
+    # Share of samples with reward 1.
+    accuracy: float
+    # Share of groups whose rewards were all equal: they had zero advantage and taught nothing.
+    uniform_groups: float
+    response_length: LengthStats
+    # Share of samples that stopped at max_new_tokens (or the context) rather than at EOS.
+    truncated: float
+    tokens_generated: int
+    tokens_trained: int
+    samples_per_engine: tuple[int, ...]
+    seconds: PhaseSeconds
+    loss: float
+    policy_loss: float
+    # Mean k3 KL to the reference per trained token; None when the job has no KL term (no
+    # reference log-probs were asked for, so there is nothing to measure against).
+    kl: float | None
+    clip_fraction: float
+    grad_norm: float
+    stale_token_fraction: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> IterationReport:
+        data: dict[str, Any] = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        if set(data) != known:
+            raise ValueError(f"an IterationReport has fields {sorted(known)}, got {sorted(data)}")
+        lengths = data["response_length"]
+        data["response_length"] = LengthStats(
+            **{**lengths, "histogram": tuple((int(b), int(n)) for b, n in lengths["histogram"])}
+        )
+        data["seconds"] = PhaseSeconds(**data["seconds"])
+        data["sampled_weight_versions"] = tuple(data["sampled_weight_versions"])
+        data["samples_per_engine"] = tuple(data["samples_per_engine"])
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------- iteration
+
+
+def engine_weight_versions(engines: Sequence[EngineClient]) -> dict[str, str]:
+    """Each engine's reported weight version, by URL."""
+    return {engine.base_url: engine.weight_version() for engine in engines}
+
+
+def verify_weight_versions(engines: Sequence[EngineClient], expected: str) -> None:
+    """Raise `WeightVersionMismatchError` unless every engine reports ``expected``."""
+    reported = engine_weight_versions(engines)
+    if any(version != expected for version in reported.values()):
+        raise WeightVersionMismatchError(expected, reported)
+
+
+def build_trajectories(
+    samples: Sequence[RolloutSample],
+    rewards: Sequence[float],
+    reference: Sequence[Sequence[float]] | None,
+    iteration: int,
+) -> list[Trajectory]:
+    if len(rewards) != len(samples):
+        raise ValueError(f"{len(rewards)} rewards for {len(samples)} samples")
+    if reference is not None and len(reference) != len(samples):
+        raise ValueError(f"{len(reference)} reference rows for {len(samples)} samples")
+    return [
+        Trajectory(
+            prompt_ids=sample.prompt_ids,
+            response_ids=sample.response_ids,
+            sampling_logprobs=sample.logprobs,
+            weight_versions=sample.weight_versions,
+            reward=float(reward),
+            group_id=f"i{iteration}-{sample.group_id}",
+            reference_logprobs=None if reference is None else tuple(reference[index]),
+        )
+        for index, (sample, reward) in enumerate(zip(samples, rewards, strict=True))
+    ]
+
+
+def run_iteration(
+    config: RLJobConfig,
+    job_id: str,
+    iteration: int,
+    engines: Sequence[EngineClient],
+    reward: RewardScorer,
+    reference: ReferenceScorer | None,
+    trainer: TrainerGroup,
+) -> IterationReport:
+    """One iteration of the job: generate ``group_size`` responses to each of the iteration's
+    problems on the rollout ``engines``, score them, ask the reference for its log-probs (only
+    when the KL term is on), take one trainer step on the global batch, push the new weights
+    and check that every rollout engine reports them."""
+    if reference is None and config.grpo.kl_coef > 0:
+        raise ValueError("kl_coef > 0 needs a reference scorer")
+    problems = iteration_problems(config, iteration)
+    started = time.perf_counter()
+    samples = rollout(engines, problems, config, job_id, iteration)
+    generated = time.perf_counter()
+    rewards = reward.score([(problems[s.prompt_index], s.text) for s in samples])
+    rewarded = time.perf_counter()
+    reference_logprobs = None
+    if config.grpo.kl_coef > 0 and reference is not None:
+        reference_logprobs = reference.response_logprobs([(s.prompt_ids, s.response_ids) for s in samples])
+    referenced = time.perf_counter()
+    metrics = trainer.train_step(build_trajectories(samples, rewards, reference_logprobs, iteration))
+    trained = time.perf_counter()
+    version = trainer.push_weights()
+    pushed = time.perf_counter()
+    if version != metrics.weight_version:
+        raise WeightVersionMismatchError(metrics.weight_version, {"trainer push": version})
+    verify_weight_versions(engines, version)
+    verified = time.perf_counter()
+
+    groups: dict[int, set[float]] = {}
+    for sample, value in zip(samples, rewards, strict=True):
+        groups.setdefault(sample.prompt_index, set()).add(value)
+    engine_counts = Counter(sample.engine for sample in samples)
+    return IterationReport(
+        iteration=iteration,
+        trainer_step=metrics.step,
+        weight_version=version,
+        sampled_weight_versions=tuple(
+            sorted({str(v) for sample in samples for v in sample.weight_versions if v is not None})
+        ),
+        prompts=len(problems),
+        samples=len(samples),
+        mean_reward=sum(rewards) / len(rewards),
+        accuracy=sum(1 for value in rewards if value == 1.0) / len(rewards),
+        uniform_groups=sum(1 for values in groups.values() if len(values) == 1) / len(groups),
+        response_length=LengthStats.of([len(sample.response_ids) for sample in samples]),
+        truncated=sum(1 for sample in samples if sample.finish_type == "length") / len(samples),
+        tokens_generated=sum(len(sample.response_ids) for sample in samples),
+        tokens_trained=metrics.grpo.response_tokens,
+        samples_per_engine=tuple(engine_counts.get(index, 0) for index in range(len(engines))),
+        seconds=PhaseSeconds(
+            generate=generated - started,
+            reward=rewarded - generated,
+            reference=referenced - rewarded,
+            train=trained - referenced,
+            push=pushed - trained,
+            verify=verified - pushed,
+        ),
+        loss=metrics.grpo.loss,
+        policy_loss=metrics.grpo.policy_loss,
+        kl=metrics.grpo.kl if reference_logprobs is not None else None,
+        clip_fraction=metrics.grpo.clip_fraction,
+        grad_norm=metrics.grad_norm,
+        stale_token_fraction=metrics.stale_token_fraction,
+    )

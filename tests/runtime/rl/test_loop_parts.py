@@ -1,0 +1,160 @@
+"""One iteration of the RL loop on real engines and a real trainer: what it reports, how it
+spreads the rollout, and that it refuses to go on when an engine did not get the pushed weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.model.config import GPTConfig
+from runtime.rl.grpo import GRPOConfig
+from runtime.rl.job import RLJobConfig, iteration_problems, warm_start_weights
+from runtime.rl.loop import (
+    InProcessTrainerGroup,
+    IterationReport,
+    LengthStats,
+    WeightVersionMismatchError,
+    rollout,
+    run_iteration,
+    verify_weight_versions,
+)
+from runtime.rl.weight_push import WeightPusher
+from runtime.task.arithmetic import TaskConfig, score
+from runtime.task.tokenizer import CharTokenizer
+from tests.runtime.rl.local_job import TIMEOUT_S, free_port, local_job
+
+torch.set_num_threads(1)
+
+CONFIG = RLJobConfig(
+    model=GPTConfig(
+        vocab_size=CharTokenizer().vocab_size,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        ffn_hidden_size=64,
+        max_positions=48,
+    ),
+    task=TaskConfig(max_digits=2),
+    seed=3,
+    iterations=2,
+    prompts_per_iteration=4,
+    group_size=4,
+    max_new_tokens=30,
+    learning_rate=1e-3,
+    micro_batch_size=8,
+    grpo=GRPOConfig(kl_coef=0.05),
+    warm_start_steps=40,
+    warm_start_batch_size=16,
+)
+
+
+def test_length_stats_use_nearest_rank_percentiles_and_power_of_two_buckets() -> None:
+    stats = LengthStats.of([1, 2, 3, 4, 5, 8, 9, 100, 3, 3])
+    assert (stats.count, stats.min, stats.max, stats.mean) == (10, 1, 100, 13.8)
+    assert (stats.p50, stats.p90, stats.p99) == (3, 9, 100)
+    assert stats.histogram == ((1, 1), (2, 1), (4, 4), (8, 2), (16, 1), (128, 1))
+    with pytest.raises(ValueError):
+        LengthStats.of([])
+
+
+def test_rollout_is_the_same_whichever_engines_serve_it(warm_start_cache: Path) -> None:
+    weights = warm_start_weights(CONFIG, warm_start_cache)
+    problems = iteration_problems(CONFIG, 0)
+    with local_job(CONFIG, weights, rollout_engines=2) as job:
+        spread = rollout(job.engines, problems, CONFIG, "job1", 0)
+        alone = rollout(job.engines[1:], problems, CONFIG, "job1", 0)
+    assert [(s.prompt_index, s.sample_index) for s in spread] == [
+        (p, s) for p in range(CONFIG.prompts_per_iteration) for s in range(CONFIG.group_size)
+    ]
+    # Groups went to both engines, whole.
+    engines_of_groups = [{s.engine for s in spread if s.prompt_index == p} for p in range(len(problems))]
+    assert all(len(engines) == 1 for engines in engines_of_groups)
+    assert {s.engine for s in spread} == {0, 1}
+    # Seeds are per sample, so one engine samples the same tokens as two did.
+    assert [s.response_ids for s in spread] == [s.response_ids for s in alone]
+    assert spread[5].rid == "job1-i000000-p00001-s000001-a000."
+    for sample in spread:
+        assert sample.prompt_ids[0] == CharTokenizer().bos_id
+        assert len(sample.logprobs) == len(sample.response_ids) == len(sample.weight_versions)
+        assert set(sample.weight_versions) == {"0"}
+        assert sample.text == CharTokenizer().decode(sample.response_ids)
+
+
+def test_an_iteration_trains_pushes_and_reports_what_it_did(warm_start_cache: Path) -> None:
+    weights = warm_start_weights(CONFIG, warm_start_cache)
+    with local_job(CONFIG, weights, rollout_engines=2) as job:
+        first = run_iteration(CONFIG, "job1", 0, job.engines, job.reward, job.reference, job.group)
+        second = run_iteration(CONFIG, "job1", 1, job.engines, job.reward, job.reference, job.group)
+        versions = [engine.weight_version() for engine in job.engines]
+        reference_version = job.reference_engine.weight_version()
+        trained = job.trainer.engine_weights()
+
+    assert versions == ["2", "2"] and job.trainer.weight_version == "2"
+    # The reference keeps the warm start: it is not in the push group.
+    assert reference_version == "0"
+    assert any(not torch.equal(trained[name], weights[name]) for name in weights)
+    samples = CONFIG.prompts_per_iteration * CONFIG.group_size
+    for index, report in enumerate((first, second)):
+        assert report.iteration == index and report.trainer_step == index + 1
+        assert report.weight_version == str(index + 1)
+        # Sampled under the weights of the step before, which the trainer then trained from.
+        assert report.sampled_weight_versions == (str(index),)
+        assert report.stale_token_fraction == 0.0
+        assert (report.prompts, report.samples) == (CONFIG.prompts_per_iteration, samples)
+        assert sum(report.samples_per_engine) == samples and len(report.samples_per_engine) == 2
+        assert 0.0 <= report.mean_reward <= 1.0 and report.accuracy == report.mean_reward
+        assert report.response_length.count == samples
+        assert report.response_length.mean * samples == report.tokens_generated
+        assert report.tokens_trained == report.tokens_generated
+        assert 1 <= report.response_length.min <= report.response_length.p50 <= report.response_length.max
+        assert report.response_length.max <= CONFIG.max_new_tokens
+        assert 0.0 <= report.truncated <= 1.0 and 0.0 <= report.uniform_groups <= 1.0
+        phases = dataclasses.asdict(report.seconds)
+        assert set(phases) == {"generate", "reward", "reference", "train", "push", "verify"}
+        assert all(value >= 0 for value in phases.values()) and report.seconds.total > 0
+        assert report.grad_norm > 0 and report.clip_fraction == 0.0
+        assert IterationReport.from_json(report.to_json()) == report
+    # Before the first step the policy is the reference: the engines' sampling weights and the
+    # reference engine's agree with the trainer's to float rounding. After it they differ.
+    assert first.kl is not None and abs(first.kl) < 1e-5
+    assert second.kl is not None and second.kl > 1e-5
+
+
+def test_the_reward_is_exact_match_on_the_sampled_text(warm_start_cache: Path) -> None:
+    weights = warm_start_weights(CONFIG, warm_start_cache)
+    config = dataclasses.replace(CONFIG, grpo=GRPOConfig(kl_coef=0.0))
+    problems = iteration_problems(config, 0)
+    with local_job(config, weights, rollout_engines=1) as job:
+        samples = rollout(job.engines, problems, config, "job1", 0)
+        report = run_iteration(config, "job1", 0, job.engines, job.reward, None, job.group)
+    rewards = [score(problems[s.prompt_index], s.text) for s in samples]
+    assert report.mean_reward == sum(rewards) / len(rewards)
+    # Without a KL term no reference is asked for and no KL is reported.
+    assert report.kl is None and report.seconds.reference < 0.01
+    with pytest.raises(ValueError, match="needs a reference"):
+        run_iteration(CONFIG, "job1", 1, job.engines, job.reward, None, job.group)
+
+
+def test_an_engine_left_out_of_the_push_stops_the_job(warm_start_cache: Path) -> None:
+    weights = warm_start_weights(CONFIG, warm_start_cache)
+    with local_job(CONFIG, weights, rollout_engines=2) as job:
+        # A weight-update group that reaches only the first engine: the second keeps version 0.
+        partial = WeightPusher(
+            [job.engines[0].base_url], "127.0.0.1", free_port(), group_name="partial", timeout_s=TIMEOUT_S
+        )
+        try:
+            group = InProcessTrainerGroup(job.trainer, partial)
+            with pytest.raises(WeightVersionMismatchError) as raised:
+                run_iteration(CONFIG, "job1", 0, job.engines, job.reward, job.reference, group)
+        finally:
+            partial.close()
+        error = raised.value
+        assert error.expected == "1"
+        assert error.reported == {job.engines[0].base_url: "1", job.engines[1].base_url: "0"}
+        assert job.engines[1].base_url in str(error) and "'1'" in str(error)
+        # The full group brings every engine to the trainer's version, and the check passes.
+        assert job.group.push_weights() == "1"
+        verify_weight_versions(job.engines, "1")
