@@ -46,17 +46,12 @@ def sim_agent_command(
     ]  # fmt: skip
 
 
-def ray_node_command(name: str, *, head_port: int, gpus: int, head: bool) -> list[str]:
-    """One node of the demo's local Ray cluster on loopback, in the foreground (``--block``: the
-    node's Ray processes end with this command), ``gpus`` logical GPUs and one CPU."""
-    where = (
-        ["--head", "--port", str(head_port), "--include-dashboard", "false"]
-        if head
-        else ["--address", f"127.0.0.1:{head_port}"]
-    )
+def local_ray_cluster_command(nodes: list[str], *, gpus: int, port: int) -> list[str]:
+    """A Ray cluster of logical ``nodes`` on loopback (``agents.backends.ray.local_cluster``), the
+    head's GCS on ``port``, ``gpus`` logical GPUs per node; it runs until it is stopped."""
     return [
-        str(Path(sys.executable).with_name("ray")), "start", *where, "--block", "--node-name", name,
-        "--node-ip-address", "127.0.0.1", "--num-gpus", str(gpus), "--num-cpus", "1", "--disable-usage-stats",
+        sys.executable, "-m", "agents.backends.ray.local_cluster", "--nodes", ",".join(nodes),
+        "--gpus", str(gpus), "--port", str(port),
     ]  # fmt: skip
 
 

@@ -33,8 +33,8 @@ from controlplane.embedded import EmbeddedPostgres, EmbeddedRedis
 from controlplane.processes import (
     celery_command,
     daphne_command,
+    local_ray_cluster_command,
     ray_agent_command,
-    ray_node_command,
     sim_agent_command,
 )
 from controlplane.supervise import Supervisor
@@ -97,18 +97,17 @@ def build_processes(
 def ray_demo_processes(env: dict[str, str], url: str, nodes: int) -> dict[str, str]:
     """The ray demo: a local Ray cluster of ``nodes`` logical nodes on loopback, each with
     ``RAY_DEMO_GPUS`` logical GPUs, and a real node agent (``--backend ray``) per Ray node. The
-    supervisor starts the nodes and agents together; a worker node or an agent that comes up
-    before the head exits and is started again, with backoff, until the head answers."""
+    supervisor starts them together; an agent that comes up before the cluster answers exits and
+    is started again, with backoff, until it does."""
     data_dir = Path(env["DYNARL_DATA_DIR"])
     head_port = int(env.get("DYNARL_DEMO_RAY_PORT", "6380"))
     env.update(LOOPBACK_ENV)  # every Ray process of a loopback cluster needs it
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    processes = {}
-    for i in range(nodes):
-        name = f"ray-node-{i}"
-        processes[name] = shlex.join(
-            ray_node_command(name, head_port=head_port, gpus=RAY_DEMO_GPUS, head=i == 0)
-        )
+    names = [f"ray-node-{i}" for i in range(nodes)]
+    processes = {
+        "ray-cluster": shlex.join(local_ray_cluster_command(names, gpus=RAY_DEMO_GPUS, port=head_port))
+    }
+    for name in names:
         processes[f"agent-{name}"] = shlex.join(
             ray_agent_command(
                 url,

@@ -6,16 +6,13 @@ the session. Registered as a plugin by tests/conftest.py, after the loopback env
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
-from agents.backends.ray import LOOPBACK_ENV
+from agents.backends.ray.local_cluster import start_local_cluster
 
 NODE_GPUS = 4
 NAMESPACE = "dynarl-test"  # the tests' named actors, the agents' included
@@ -29,18 +26,11 @@ class LocalRayCluster:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[LocalRayCluster]:
-    assert all(os.environ.get(name) == value for name, value in LOOPBACK_ENV.items()), (
-        "tests/conftest.py sets the loopback environment before Ray is imported"
-    )
-    common: dict[str, Any] = {"num_cpus": 1, "num_gpus": NODE_GPUS, "node_ip_address": "127.0.0.1"}
-    cluster = Cluster(
-        initialize_head=True, head_node_args={**common, "node_name": "node-a", "include_dashboard": False}
-    )
+    nodes = ("node-a", "node-b")
+    cluster = start_local_cluster(nodes, gpus=NODE_GPUS)
     try:
-        cluster.add_node(**common, node_name="node-b")
-        cluster.wait_for_nodes()
-        yield LocalRayCluster(address=cluster.address, nodes=("node-a", "node-b"))
+        yield LocalRayCluster(address=cluster.address, nodes=nodes)
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        cluster.shutdown()  # type: ignore[no-untyped-call]
+        cluster.shutdown()

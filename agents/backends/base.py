@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this host now (e.g. its cluster cannot be reached); the message
+    says why and what was tried. The agent exits with it instead of starting half-way."""
+
+
 class StepFailed(Exception):
     """The backend could not carry a step out; the message goes into the report."""
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from agents.backends.base import ExecutionBackend
+from agents.backends.base import BackendUnavailable, ExecutionBackend
 
 BACKENDS: dict[str, str] = {
     "sim": "agents.backends.sim.backend:SimBackend",
@@ -91,6 +91,8 @@ def load_backend(
         backend = factory(**kwargs)
     except (TypeError, ValueError) as exc:
         raise BackendError(f"backend {name!r} refused its options {sorted(options)}: {exc}") from exc
+    except BackendUnavailable as exc:
+        raise BackendError(f"backend {name!r} cannot start: {exc}") from exc
     missing = [attr for attr in REQUIRED if not hasattr(backend, attr)]
     if missing:
         raise BackendError(f"backend {name!r} lacks {', '.join(missing)} of the ExecutionBackend interface")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,18 @@ def test_a_backend_is_built_from_module_and_callable(tmp_path: Path) -> None:
 
 
 def test_known_names_point_at_the_backend_modules() -> None:
-    assert BACKENDS["sim"] == "agents.backends.sim.backend:SimBackend" and BACKENDS["ray"].startswith(
-        "agents.backends.ray:"
-    )
+    assert BACKENDS["sim"] == "agents.backends.sim.backend:SimBackend"
+    assert BACKENDS["ray"] == "agents.backends.ray.backend:RayBackend"
+
+
+def test_a_ray_backend_whose_cluster_cannot_be_reached_is_a_clear_error_at_once() -> None:
+    """Not a hang: the agent exits with the address it tried (nothing listens on port 1)."""
+    started = time.monotonic()
+    with pytest.raises(
+        BackendError, match=r"backend 'ray' cannot start: cannot reach the Ray cluster at 127\.0\.0\.1:1"
+    ):
+        load_backend("ray", host="gpu-3", options={"address": "127.0.0.1:1", "connect_timeout_s": 2})
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,11 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
+from agents.backends.base import BackendUnavailable
 from agents.backends.ray import LOOPBACK_ENV
 
 
-class RayClusterError(RuntimeError):
+class RayClusterError(BackendUnavailable):
     """The Ray cluster cannot be used by this agent; the message says why and what was tried."""
 
 

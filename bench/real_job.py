@@ -1,0 +1,319 @@
+"""The real job on a local Ray cluster, under each static placement: what it generates per second,
+where its device time goes, and how long its responses are.
+
+    python -m bench.real_job --migrate
+    python -m bench.real_job --iterations 8 --policies static-disaggregated,static-colocated
+
+A Ray cluster of two logical nodes (``--gpus`` logical GPUs each, one CPU each) starts on loopback
+(``agents.backends.ray.local_cluster``, as for ``make run``'s ray demo), and the control plane as
+deployed (``bench.stack.ControlPlane``). Then, one policy after the other: a ``ray`` agent per Ray
+node registers, the same real job (same seed, same model, task and batch; ``runtime/``) is submitted
+with its components placed as the policy places them, the benchmark waits until it has succeeded,
+reads the results its driver reported (one ``IterationResult`` per iteration), stops the agents and
+deletes that run's rows. Same cluster, same seed: what differs is only the placement.
+
+- **disaggregated**: rollout, reward and actor on their own GPUs (2, 1 and 1 of 4);
+- **colocated**: the rollout engines and the trainer's ranks time-share every GPU, one reward
+  worker on the first.
+
+It prints three tables: per policy, the wall time, tokens generated per second and trained
+samples per second, and the first and last iterations' mean reward; the device time (GPUs × wall)
+by component, busy and idle; and the response lengths over all iterations.
+
+Here the GPUs are Ray's logical ones and every worker runs on the CPU: the figures measure this
+runtime on this machine, not a GPU cluster. On one host the colocated engines and trainer share
+its cores the way colocated workers share a GPU's SMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agents.backends.ray import LOOPBACK_ENV
+from bench.stack import (
+    ControlPlane,
+    Run,
+    bootstrap,
+    cleanup,
+    database_ready,
+    free_port,
+    setup_django,
+    stop_process,
+    wait_for,
+)
+from controlplane.processes import local_ray_cluster_command, ray_agent_command
+from jobs.spec import parse_spec
+
+NODES = ("bench-ray-0", "bench-ray-1")
+POLICIES = ("static-disaggregated", "static-colocated")
+NAMESPACE = "dynarl-bench"
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    wall_s: float
+    results: list[dict[str, Any]]
+    devices: dict[str, int]  # component -> devices it holds (time-shared ones count for each holder)
+    total_devices: int
+    state: str
+    detail: str = ""
+    lengths: Counter[int] = field(default_factory=Counter)
+
+
+def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, Any]:
+    """The real job, placed as ``policy`` places it on ``2 × gpus`` GPUs."""
+    total = 2 * gpus
+    if policy == "static-colocated":
+        components = [
+            {"name": "rollout", "kind": "rollout", "placement": f"0-{total - 1}"},
+            {"name": "reward", "kind": "reward", "placement": "0", "depends_on": ["rollout"]},
+            {
+                "name": "actor",
+                "kind": "actor",
+                "placement": f"0-{total - 1}",
+                "depends_on": ["rollout", "reward"],
+            },
+        ]
+    else:
+        components = [
+            {"name": "rollout", "kind": "rollout", "workers": total - 2},
+            {"name": "reward", "kind": "reward", "workers": 1, "depends_on": ["rollout"]},
+            {"name": "actor", "kind": "actor", "workers": 1, "depends_on": ["rollout", "reward"]},
+        ]
+    return {
+        "name": f"bench-real-{policy}",
+        "backend": "ray",
+        "model": {"name": "tiny-gpt", "params_b": 0.0001},
+        "workload": {
+            "iterations": iterations,
+            "prompts_per_iteration": 16,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 56,
+        },
+        "runtime": {"seed": seed, **BENCH_RUNTIME},
+        "components": components,
+        "policy": {"name": policy},
+    }
+
+
+BENCH_RUNTIME: dict[str, Any] = {
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_hidden_size": 64, "max_positions": 64},
+    "task": {"max_digits": 2},
+    "warm_start_steps": 150,
+    "micro_batch_size": 16,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.real_job", description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--gpus", type=int, default=2, help="logical GPUs per Ray node (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a job may take")
+    parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the processes' logs (their path is printed)"
+    )
+    args = parser.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if unknown := [p for p in policies if p not in POLICIES]:
+        parser.error(f"--policies: the real job runs under {', '.join(POLICIES)}, not {unknown[0]!r}")
+    if args.iterations < 1 or args.gpus < 2:
+        parser.error("--iterations must be at least 1 and --gpus at least 2")
+    for policy in policies:
+        parse_spec(job_spec(policy, args.iterations, args.seed, args.gpus))  # refused here, not mid-run
+    setup_django()
+    if not database_ready(args.migrate):
+        return 2
+    os.environ.update(LOOPBACK_ENV)  # every Ray process of a loopback cluster, agents included
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    workdir = Path(tempfile.mkdtemp(prefix="dynarl-real-job-"))
+    runs: list[PolicyRun] = []
+    head_port = free_port()
+    ray_nodes = [
+        subprocess.Popen(
+            local_ray_cluster_command(list(NODES), gpus=args.gpus, port=head_port),
+            stdout=open(workdir / "ray-cluster.log", "wb"),  # noqa: SIM115 - the process holds it
+            stderr=subprocess.STDOUT,
+        )
+    ]
+    plane = ControlPlane(workdir, f"real{secrets.token_hex(3)}", servers=1, worker_concurrency=1)
+    try:
+        wait_for(lambda: port_open(head_port), 120, "the Ray cluster", ray_nodes, workdir)
+        plane.start()
+        for policy in policies:
+            runs.append(run_policy(args, plane, policy, f"127.0.0.1:{head_port}", workdir, ray_nodes))
+            print(f"{policy}: {runs[-1].state} in {runs[-1].wall_s:.1f} s", flush=True)
+    finally:
+        plane.stop()
+        for proc in reversed(ray_nodes):
+            stop_process(proc, timeout_s=60)
+        if args.keep_logs:
+            print(f"logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(report(runs, args))
+    return 0 if all(run.state == "succeeded" for run in runs) else 1
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run_policy(
+    args: argparse.Namespace,
+    plane: ControlPlane,
+    policy: str,
+    address: str,
+    workdir: Path,
+    ray_nodes: Sequence[subprocess.Popen[bytes]],
+) -> PolicyRun:
+    """One policy: fresh agents on the same Ray nodes, the job from submission to its end; the
+    run's rows are deleted afterwards, whatever happened."""
+    # Django's models load only after setup_django(); this module is imported before it runs.
+    from django.contrib.auth import get_user_model
+
+    from cluster.models import Device, Node, NodeStatus
+    from common.audit import Actor
+    from jobs.models import IterationResult
+    from jobs.services import submit_job
+
+    tag = f"{plane.tag}-{policy.split('-')[-1]}"
+    cluster = Run(tag=tag, hardware="ray-logical", bootstrap_raw=secrets.token_urlsafe(24))
+    token_file = bootstrap(cluster, workdir)
+    agents = []
+    for node in NODES:
+        command = ray_agent_command(
+            plane.url,
+            host=node,
+            data_dir=workdir,
+            address=address,
+            namespace=NAMESPACE,
+            checkpoint_dir=workdir / "checkpoints",
+        )
+        command[command.index("--bootstrap-token-file") + 1] = str(token_file)
+        command[command.index("--state-dir") + 1] = str(workdir / tag / node)
+        log = open(workdir / f"{tag}-{node}.log", "wb")  # noqa: SIM115 - the process holds it
+        agents.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+    watched = [*plane.processes, *ray_nodes, *agents]
+    try:
+        ready = Node.objects.filter(name__in=NODES, status=NodeStatus.READY)
+        wait_for(lambda: ready.count() == len(NODES), 180, "the ray agents", watched, workdir)
+        owner = get_user_model().objects.create_user(username=f"{tag}-owner")
+        spec = job_spec(policy, args.iterations, args.seed, args.gpus)
+        job = submit_job(owner=owner, source=spec, actor=Actor.system("bench-real-job")).job
+        cluster.job_ids.append(job.pk)
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            job.refresh_from_db()
+            if job.is_terminal:
+                break
+            if any(p.poll() is not None for p in watched):
+                raise SystemExit(f"a process ended while the {policy} job ran; its logs are in {workdir}")
+            time.sleep(1.0)
+        job.refresh_from_db()
+        results = [dict(row.metrics) for row in IterationResult.objects.filter(job=job).order_by("iteration")]
+        devices = {
+            group.name: Device.objects.filter(worker__group=group).count()
+            + Device.objects.filter(colocated_workers__group=group).distinct().count()
+            for group in job.groups.all()
+        }
+        started, finished = job.started_at, job.finished_at or job.started_at
+        wall = (finished - started).total_seconds() if started and finished else float("nan")
+        lengths: Counter[int] = Counter()
+        for result in results:
+            for bucket, count in result["response_length"]["histogram"]:
+                lengths[int(bucket)] += int(count)
+        return PolicyRun(
+            policy=policy,
+            wall_s=wall,
+            results=results,
+            devices=devices,
+            total_devices=len(NODES) * args.gpus,
+            state=job.state,
+            detail=job.state_detail,
+            lengths=lengths,
+        )
+    finally:
+        for proc in agents:
+            stop_process(proc, timeout_s=60)
+        cleanup(cluster)
+
+
+# Which component's devices each phase of an iteration keeps busy.
+PHASE_COMPONENT = {
+    "generate": "rollout",
+    "reward": "reward",
+    "reference": "inference",
+    "train": "actor",
+    "push": "actor",
+}
+
+
+def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
+    lines = [
+        f"Real job, {args.iterations} iterations, seed {args.seed}, 2 Ray nodes x {args.gpus} logical GPUs, "
+        "every worker on this machine's CPU",
+        "",
+        "| placement | state | wall s | tokens generated/s | samples trained/s | reward first -> last | accuracy last |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        generated = sum(r["tokens_generated"] for r in run.results)
+        samples = sum(r["samples"] for r in run.results)
+        first = run.results[0]["mean_reward"] if run.results else float("nan")
+        last = run.results[-1] if run.results else {"mean_reward": float("nan"), "accuracy": float("nan")}
+        lines.append(
+            f"| {run.policy} | {run.state} | {run.wall_s:.1f} | {generated / run.wall_s:.0f} | "
+            f"{samples / run.wall_s:.2f} | {first:.3f} -> {last['mean_reward']:.3f} | {last['accuracy']:.3f} |"
+        )
+    lines += ["", "Device time (GPUs x wall) by component: busy in its phases, the rest idle", ""]
+    lines += [
+        "| placement | component | GPUs | busy GPU-s | share of its GPU-s busy | share of all GPU-s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        total = run.total_devices * run.wall_s
+        busy: dict[str, float] = {}
+        for result in run.results:
+            for phase, seconds in result["seconds"].items():
+                component = PHASE_COMPONENT.get(phase)
+                if component in run.devices:
+                    busy[component] = busy.get(component, 0.0) + seconds * run.devices[component]
+        for component, count in sorted(run.devices.items()):
+            held = count * run.wall_s
+            spent = busy.get(component, 0.0)
+            lines.append(
+                f"| {run.policy} | {component} | {count} | {spent:.1f} | {spent / held:.0%} | {spent / total:.0%} |"
+            )
+    lines += ["", "Response lengths over all iterations (tokens; buckets are powers of two)", ""]
+    buckets = sorted({b for run in runs for b in run.lengths})
+    lines.append("| placement | " + " | ".join(f"<= {b}" for b in buckets) + " | p50 | p90 | max |")
+    lines.append("|---|" + "---|" * (len(buckets) + 3))
+    for run in runs:
+        p50 = max((r["response_length"]["p50"] for r in run.results), default=0)
+        p90 = max((r["response_length"]["p90"] for r in run.results), default=0)
+        longest = max((r["response_length"]["max"] for r in run.results), default=0)
+        counts = " | ".join(str(run.lengths.get(b, 0)) for b in buckets)
+        lines.append(f"| {run.policy} | {counts} | {p50} | {p90} | {longest} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
