@@ -10,8 +10,10 @@ iteration, the rid and sampling seed of each sample, and the supervised warm sta
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import random
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -27,7 +29,7 @@ from runtime.model.sft import SFTConfig, supervised_warm_start
 from runtime.model.weights import megatron_to_engine
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.trainer import TrainerConfig, training_device
-from runtime.task.arithmetic import Problem, TaskConfig, generate_problems
+from runtime.task.arithmetic import Problem, TaskConfig, generate_problems, iter_problems
 from runtime.task.tokenizer import EOS_ID, PAD_ID, CharTokenizer
 
 # The weight version the warm-start weights carry: the trainer's version before its first step.
@@ -68,6 +70,10 @@ class RLJobConfig:
     iterations: int = 100
     prompts_per_iteration: int = 16
     group_size: int = 8
+    # None: fresh problems every iteration. N: a dataset of N distinct problems drawn once from
+    # the seed, which the iterations go through epoch after epoch (as a job over a fixed prompt
+    # set does).
+    dataset_size: int | None = None
     max_new_tokens: int = 192
     temperature: float = 1.0
     # Trainer (TrainerConfig's fields; the global batch size follows from the two above).
@@ -107,6 +113,10 @@ class RLJobConfig:
             _check_type("RLJobConfig", name, getattr(self, name), kind)
         for name in self._INT_FIELDS:
             _check_type("RLJobConfig", name, getattr(self, name), int)
+        if self.dataset_size is not None:
+            _check_type("RLJobConfig", "dataset_size", self.dataset_size, int)
+            if self.dataset_size < 1:
+                raise ValueError(f"RLJobConfig.dataset_size must be at least 1, got {self.dataset_size}")
         for name in self._FLOAT_FIELDS:
             _check_type("RLJobConfig", name, getattr(self, name), float)
         minimums = {
@@ -225,13 +235,47 @@ class RLJobConfig:
         return cls(**values)
 
 
+def job_dataset(config: RLJobConfig) -> list[Problem]:
+    """The job's ``dataset_size`` distinct problems, drawn once from the job's seed (empty when
+    the job draws fresh problems every iteration)."""
+    if config.dataset_size is None:
+        return []
+    stream = iter_problems(_derived_seed("dynarl-dataset", config.seed), config.task)
+    chosen: dict[str, Problem] = {}
+    # A task with few distinct problems (one digit: 100) may not have dataset_size of them.
+    for problem in itertools.islice(stream, 1000 * config.dataset_size):
+        chosen.setdefault(problem.prompt_text, problem)
+        if len(chosen) == config.dataset_size:
+            return list(chosen.values())
+    raise ValueError(
+        f"RLJobConfig.dataset_size: the task gave only {len(chosen)} distinct problems, "
+        f"not {config.dataset_size}"
+    )
+
+
 def iteration_problems(config: RLJobConfig, iteration: int) -> list[Problem]:
     """The ``prompts_per_iteration`` problems of one iteration: a function of (seed, iteration)
-    alone, so a resumed or re-run iteration sees the same problems."""
+    alone, so a resumed or re-run iteration sees the same problems.
+
+    Without a dataset every iteration draws fresh problems. With one, the iterations walk
+    through seeded shuffles of it, one epoch after another (a problem may repeat within an
+    iteration only where one epoch ends and the next begins).
+    """
     if iteration < 0:
         raise ValueError(f"iteration must be non-negative, got {iteration}")
-    seed = _derived_seed("dynarl-problems", config.seed, iteration)
-    return generate_problems(config.prompts_per_iteration, seed, config.task)
+    count = config.prompts_per_iteration
+    if config.dataset_size is None:
+        return generate_problems(count, _derived_seed("dynarl-problems", config.seed, iteration), config.task)
+    dataset = job_dataset(config)
+    orders: dict[int, list[int]] = {}
+    problems: list[Problem] = []
+    for position in range(iteration * count, (iteration + 1) * count):
+        epoch, index = divmod(position, len(dataset))
+        if epoch not in orders:
+            orders[epoch] = list(range(len(dataset)))
+            random.Random(_derived_seed("dynarl-epoch", config.seed, epoch)).shuffle(orders[epoch])
+        problems.append(dataset[orders[epoch][index]])
+    return problems
 
 
 def sample_rid(job_id: str, iteration: int, prompt: int, sample: int, attempt: int = 0) -> str:

@@ -16,6 +16,7 @@ from runtime.rl.grpo import GRPOConfig
 from runtime.rl.job import (
     RLJobConfig,
     iteration_problems,
+    job_dataset,
     sample_rid,
     sample_seed,
     warm_start_cache_key,
@@ -87,6 +88,8 @@ def test_the_config_round_trips_through_json_and_derives_the_trainer_and_warm_st
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"warm_start_steps": -1}, "warm_start_steps"),
         ({"seed": -1}, "seed"),
+        ({"dataset_size": 0}, "dataset_size"),
+        ({"dataset_size": 2.0}, "dataset_size"),
         ({"group_size": "4"}, "group_size"),
         ({"temperature": True}, "temperature"),
         ({"task": {"max_digits": 2}}, "task"),
@@ -125,6 +128,24 @@ def test_iteration_problems_depend_on_seed_and_iteration_only() -> None:
     assert all(p.num_digits <= 3 for problems in others for p in problems)
     with pytest.raises(ValueError, match="non-negative"):
         iteration_problems(CONFIG, -1)
+
+
+def test_with_a_dataset_the_iterations_walk_through_it_epoch_after_epoch() -> None:
+    config = dataclasses.replace(CONFIG, dataset_size=10, prompts_per_iteration=4)
+    dataset = job_dataset(config)
+    assert len({p.prompt_text for p in dataset}) == 10
+    assert job_dataset(config) == dataset and job_dataset(CONFIG) == []
+    assert iteration_problems(config, 1) == iteration_problems(config, 1)
+    # Iterations 0-4 take positions 0-19: epoch 0 (positions 0-9) is every problem once, and
+    # so is epoch 1, in another order.
+    walked = [p for iteration in range(5) for p in iteration_problems(config, iteration)]
+    first_epoch, second_epoch = walked[:10], walked[10:]
+    assert sorted(p.prompt_text for p in first_epoch) == sorted(p.prompt_text for p in dataset)
+    assert sorted(p.prompt_text for p in second_epoch) == sorted(p.prompt_text for p in dataset)
+    assert first_epoch != second_epoch
+    # One digit has only 100 distinct problems.
+    with pytest.raises(ValueError, match=r"RLJobConfig\.dataset_size: the task gave only 100"):
+        job_dataset(dataclasses.replace(config, task=TaskConfig(max_digits=1), dataset_size=101))
 
 
 def test_sample_rids_are_unique_and_never_a_prefix_of_one_another() -> None:
