@@ -3,8 +3,9 @@
 `RLJobConfig` is everything a job needs to run (model shape, task, batch shape, sampling,
 trainer and warm-start settings), frozen, validated and JSON round-trippable, so the control
 plane can hand it to every worker as text. The rest are pure functions of it: the problems of an
-iteration, the rid and sampling seed of each sample, and the supervised warm start's weights
-(optionally cached on disk, since every job and test would otherwise redo it).
+iteration (fresh each time, or walked epoch by epoch through the job's dataset), the rid and
+sampling seed of each sample, and the supervised warm start's weights (optionally cached on
+disk, since every job and test would otherwise redo it).
 """
 
 from __future__ import annotations
