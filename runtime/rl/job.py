@@ -290,11 +290,6 @@ def sample_seed(config: RLJobConfig, iteration: int, prompt: int, sample: int) -
     return _derived_seed("dynarl-sampling", config.seed, iteration, prompt, sample)
 
 
-def response_budget(problem: Problem) -> int:
-    """Tokens of the reference solution plus EOS: the least a right answer needs."""
-    return len(problem.full_solution_text) + 1
-
-
 def warm_start_cache_key(config: RLJobConfig) -> str:
     """What the warm start's result depends on: model shape, SFT settings (with seed and task),
     the device kind and the torch version (initialisation and kernels differ across them)."""
