@@ -93,8 +93,8 @@ class RuntimeModelSpec:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    ffn_hidden_size: int = 256
-    max_positions: int = 256
+    ffn_hidden_size: int = 128
+    max_positions: int = 64
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -113,19 +113,21 @@ class RuntimeSpec:
     of iterations are the workload's."""
 
     model: RuntimeModelSpec = field(default_factory=RuntimeModelSpec)
-    max_digits: int = 4  # problem sizes: P(n digits) ~ n ** -zipf_exponent on 1..max_digits
+    max_digits: int = 2  # problem sizes: P(n digits) ~ n ** -zipf_exponent on 1..max_digits
     zipf_exponent: float = 1.2
+    dataset_size: int | None = None  # distinct problems the job trains over; None: fresh ones every iteration
     seed: int = 0
     temperature: float = 1.0
-    learning_rate: float = 1e-3
+    learning_rate: float = 5e-4
     kl_coef: float = 0.0
-    micro_batch_size: int = 8
-    warm_start_steps: int = 200
+    micro_batch_size: int = 64
+    warm_start_steps: int = 300
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model.to_json(),
             "task": {"max_digits": self.max_digits, "zipf_exponent": self.zipf_exponent},
+            "dataset_size": self.dataset_size,
             "seed": self.seed,
             "temperature": self.temperature,
             "learning_rate": self.learning_rate,
@@ -140,6 +142,7 @@ class RuntimeSpec:
             model=RuntimeModelSpec(**{k: int(v) for k, v in data["model"].items()}),
             max_digits=int(data["task"]["max_digits"]),
             zipf_exponent=float(data["task"]["zipf_exponent"]),
+            dataset_size=None if data.get("dataset_size") is None else int(data["dataset_size"]),
             seed=int(data["seed"]),
             temperature=float(data["temperature"]),
             learning_rate=float(data["learning_rate"]),

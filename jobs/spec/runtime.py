@@ -20,6 +20,7 @@ from scheduler.core.hypergraph import ComponentKind
 RUNTIME_KEYS: Final = (
     "model",
     "task",
+    "dataset_size",
     "seed",
     "temperature",
     "learning_rate",
@@ -77,6 +78,7 @@ def read_runtime(
             model=model,
             max_digits=max_digits,
             zipf_exponent=zipf,
+            dataset_size=section.integer("dataset_size", None, nullable=True, minimum=1, maximum=10_000_000),
             seed=section.integer("seed", defaults.seed, minimum=0, maximum=2**31 - 1) or 0,
             temperature=section.number("temperature", defaults.temperature, above=0.0, maximum=10.0) or 1.0,
             learning_rate=section.number("learning_rate", defaults.learning_rate, above=0.0, maximum=1.0)

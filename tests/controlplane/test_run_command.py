@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,9 +43,16 @@ def _processes_using(data_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def _start(data_dir: Path, port: int, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
+def _start(
+    data_dir: Path, port: int, log_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     env = {
-        k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEBUG"}
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEBUG"}
+        },
+        **(env or {}),
     }
     log = log_path.open("ab")
     return subprocess.Popen(
@@ -123,6 +131,45 @@ def test_run_command_serves_health_and_admin_and_leaves_nothing_behind(tmp_path:
     assert "admin account exists" in second_log  # the database was reused, not re-created
     assert (data_dir / "pgdata" / "PG_VERSION").stat().st_mtime_ns == cluster_created
     assert (data_dir / "admin-password").read_text().strip() == password
+
+
+def _processes_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if text in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+    return found
+
+
+def test_run_command_runs_a_real_job_on_a_local_ray_cluster(tmp_path: Path) -> None:
+    """The ray demo: a local Ray cluster of two logical nodes, a ray agent per node, and the real
+    job training on them; Ctrl-C stops the cluster's processes too."""
+    data_dir, log_path, port, ray_port = tmp_path / "data", tmp_path / "run.log", free_port(), free_port()
+    env = {"DYNARL_DEMO_RAY_PORT": str(ray_port)}
+    proc = _start(data_dir, port, log_path, "--demo-backend", "ray", env=env)
+    try:
+        assert wait_until(
+            lambda: _get(f"http://127.0.0.1:{port}/healthz")[0] == 200, timeout_s=120, interval_s=1
+        ), log_path.read_text()[-4000:]
+        token = (data_dir / "demo-api-token").read_text().strip()
+
+        def trained() -> bool:
+            jobs = _api(port, "/api/v1/jobs/?backend=ray", token)["results"]
+            return bool(jobs) and bool(_api(port, f"/api/v1/jobs/{jobs[0]['id']}/iterations/", token))
+
+        assert wait_until(trained, timeout_s=300, interval_s=2), log_path.read_text()[-6000:]
+        nodes = _api(port, "/api/v1/nodes/?status=ready", token)
+        assert {n["name"] for n in nodes["results"]} == {"ray-node-0", "ray-node-1"}
+        assert _processes_mentioning(f"127.0.0.1:{ray_port}"), "the Ray cluster's processes"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(90)
+    finally:
+        stop_process_tree(proc)
+    assert wait_until(lambda: not _processes_mentioning(str(data_dir)), timeout_s=30)
+    assert wait_until(lambda: not _processes_mentioning(f"127.0.0.1:{ray_port}"), timeout_s=30), [
+        p.info["cmdline"] for p in _processes_mentioning(f"127.0.0.1:{ray_port}")
+    ]
 
 
 # --- A crashed process comes back; the others keep running -------------------------------------

@@ -59,10 +59,11 @@ def test_a_real_job_learns_and_succeeds(
     assert [r["metrics"]["weight_version"] for r in results] == [
         str(k + 1) for k in range(REAL_JOB_ITERATIONS)
     ]
-    assert all(r["metrics"]["samples"] == 32 for r in results)
-    # It learns: the last iterations' mean reward is above the first's.
+    assert all(r["metrics"]["samples"] == 128 for r in results)
+    # It learns: the mean reward of its last five iterations is above its first's by a margin that
+    # the runtime's learning test shows safe (see real_job).
     rewards = [r["mean_reward"] for r in results]
-    assert sum(rewards[-2:]) / 2 > rewards[0] + 0.05, rewards
+    assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.15, rewards
 
     wait_released(live_stack, job)
     assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()

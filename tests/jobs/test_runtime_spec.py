@@ -19,7 +19,7 @@ def _ray_job(**changes: Any) -> dict[str, Any]:
             "iterations": 4,
             "prompts_per_iteration": 8,
             "samples_per_prompt": 4,
-            "max_new_tokens": 64,
+            "max_new_tokens": 40,
         },
         "components": [
             {"name": "rollout", "kind": "rollout", "workers": 2},
@@ -54,6 +54,7 @@ def test_the_runtime_section_is_read_and_stored() -> None:
             "max_positions": 128,
         },
         "task": {"max_digits": 3, "zipf_exponent": 2.0},
+        "dataset_size": 16,
         "seed": 5,
         "temperature": 0.8,
         "learning_rate": 0.002,
@@ -65,6 +66,7 @@ def test_the_runtime_section_is_read_and_stored() -> None:
     assert spec.runtime is not None
     assert spec.runtime.model == RuntimeModelSpec(32, 1, 2, 64, 128)
     assert (spec.runtime.max_digits, spec.runtime.seed, spec.runtime.warm_start_steps) == (3, 5, 30)
+    assert spec.runtime.dataset_size == 16
     assert spec.to_json()["runtime"] == runtime
 
 
@@ -88,6 +90,7 @@ def test_a_sim_job_has_no_runtime() -> None:
         ({"temperature": 0}, "runtime.temperature", "must be greater than 0"),
         ({"learning_rate": "fast"}, "runtime.learning_rate", "must be a number"),
         ({"micro_batch_size": 0}, "runtime.micro_batch_size", "must be at least 1"),
+        ({"dataset_size": 0}, "runtime.dataset_size", "must be at least 1"),
         ({"optimizer": "sgd"}, "runtime.optimizer", "unknown key"),
         ({"kl_coef": 0.1}, "runtime.kl_coef", "a KL penalty needs an inference component"),
     ],
@@ -119,7 +122,7 @@ def test_the_runtime_rules_across_sections() -> None:
     assert errors["components"].startswith("a job on the ray backend needs a reward component")
     assert errors["workload.kind"].startswith("the ray runtime runs math workloads")
     assert errors["workload.staleness"].startswith("the ray runtime trains synchronously")
-    assert "exceeds runtime.model.max_positions (256)" in errors["workload.max_new_tokens"]
+    assert "exceeds runtime.model.max_positions (64)" in errors["workload.max_new_tokens"]
     assert "does not over [2]" in errors["components[2]"]
 
 

@@ -306,6 +306,7 @@ def _every_field_set() -> JobSpec:
             ),
             max_digits=7,
             zipf_exponent=0.8,
+            dataset_size=100,
             seed=11,
             temperature=0.7,
             learning_rate=3e-4,

@@ -50,6 +50,7 @@ from runtime.task.arithmetic import Problem, score
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
 KEEP_OUR_DEVICES: Final = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 ENGINE_KINDS: Final = ("rollout", "inference")
+WORKER_THREADS: Final = 2
 
 
 def actor_name(node: str, worker: str) -> str:
@@ -65,6 +66,8 @@ def actor_options(node: RayNode, worker: str, devices: Sequence[Mapping[str, Any
         "name": actor_name(node.name, worker),
         "lifetime": "detached",
         "max_restarts": 0,  # a worker that dies is reported lost; the control plane decides what next
+        # A second thread answers the agent's usage() while a long call (a trainer step) runs.
+        "max_concurrency": WORKER_THREADS,
         "num_cpus": 0,  # CPU threads are each worker's own (one torch thread on CPU hosts)
         "num_gpus": exclusive,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False),

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE: Final = "dynarl"
 LAUNCH_TIMEOUT_S: Final = 120.0
-CALL_TIMEOUT_S: Final = 5.0
+CALL_TIMEOUT_S: Final = 2.0
+TELEMETRY_WAIT_S: Final = 1.0
 WORKER_NAME: Final = re.compile(r"j(?P<job>\d+)-")
 SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward")
 
@@ -217,13 +218,19 @@ class RayBackend:
         raise StepFailed(f"the ray backend does not carry out migration steps yet (step {kind!r})")
 
     def telemetry(self) -> Telemetry:
+        """What the node's workers did since the previous call. Bounded in time (the heartbeat
+        waits on it): every worker is asked at once, and one that does not answer within
+        ``TELEMETRY_WAIT_S`` is left for the next call, which covers this interval too."""
         now = time.time()
         workers: list[WorkerReading] = []
         cpu_by_device: dict[int, float] = {}
         with self._lock:
             payloads = dict(self._payloads)
+        usages = self._usages(payloads)
         for name, payload in payloads.items():
-            reading = self._read_worker(name, payload, now)
+            if name not in usages:
+                continue
+            reading = self._read_worker(name, payload, usages[name], now)
             if reading is None:
                 continue
             workers.append(reading[0])
@@ -238,22 +245,38 @@ class RayBackend:
         ]
         return Telemetry(devices=devices, workers=workers, jobs=self._job_entries(payloads))
 
+    def _usages(self, payloads: Mapping[str, Mapping[str, Any]]) -> dict[str, WorkerUsage]:
+        """Each worker's usage, asked of all at once; a worker whose actor is gone marks its job
+        lost, one that is slow to answer is skipped."""
+        pending: dict[Any, str] = {}
+        for name in payloads:
+            handle = worker_handle(self.node.name, name)
+            if handle is None:
+                self._mark_lost(name)
+                continue
+            pending[handle.usage.remote()] = name
+        usages: dict[str, WorkerUsage] = {}
+        if not pending:
+            return usages
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=TELEMETRY_WAIT_S)
+        for ref in ready:
+            name = pending[ref]
+            try:
+                usages[name] = ray.get(ref)
+            except RayActorError:
+                self._mark_lost(name)
+        return usages
+
+    def _mark_lost(self, name: str) -> None:
+        job = job_of(name)
+        if job is not None:
+            with self._lock:
+                self._lost.setdefault(job, f"worker {name} on {self.host} died (its Ray actor is gone)")
+
     def _read_worker(
-        self, name: str, payload: Mapping[str, Any], now: float
+        self, name: str, payload: Mapping[str, Any], usage: WorkerUsage, now: float
     ) -> tuple[WorkerReading, float] | None:
         handle = worker_handle(self.node.name, name)
-        job = job_of(name)
-        try:
-            if handle is None:
-                raise RayActorError()
-            usage: WorkerUsage = ray.get(handle.usage.remote(), timeout=CALL_TIMEOUT_S)
-        except GetTimeoutError:
-            return None  # busy in a long call; its next reading covers this interval too
-        except RayActorError:
-            if job is not None:
-                with self._lock:
-                    self._lost.setdefault(job, f"worker {name} on {self.host} died (its Ray actor is gone)")
-            return None
         with self._lock:
             previous = self._samples.get(name)
             self._samples[name] = _Sample(at=now, usage=usage)
@@ -275,9 +298,11 @@ class RayBackend:
         with self._lock:
             client = self._engines.get(name)
         if client is None:
-            client = EngineClient(
-                str(ray.get(handle.url.remote(), timeout=CALL_TIMEOUT_S)), timeout_s=CALL_TIMEOUT_S
-            )
+            try:
+                url = str(ray.get(handle.url.remote(), timeout=CALL_TIMEOUT_S))
+            except (GetTimeoutError, RayActorError):
+                return WorkerReading(worker=name, at=now, utilisation=0.0, tokens=tokens)
+            client = EngineClient(url, timeout_s=CALL_TIMEOUT_S)
             with self._lock:
                 self._engines[name] = client
         try:
@@ -348,7 +373,8 @@ class RayBackend:
             for name, payload in wanted.items():
                 self._payloads[name] = payload
                 job = job_of(name)
-                if name not in running and job is not None:
+                # A worker still starting is launched again by its command, which comes again.
+                if name not in running and job is not None and payload.get("state") == "running":
                     self._lost.setdefault(
                         job, f"worker {name} on {self.host} was gone when its agent came back"
                     )

@@ -55,10 +55,16 @@ log = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S: Final = 600.0
 STEP_TIMEOUT_S: Final = 1800.0
-CALL_TIMEOUT_S: Final = 10.0
+CALL_TIMEOUT_S: Final = 2.0
 DRIVER_PREFIX: Final = "dynarl-job-"
 RESULTS_SENT: Final = 8  # the latest iteration results each heartbeat repeats (kept once by iteration)
 ENGINE_MAX_RUNNING: Final = 64
+# The runtime's own settings, not the spec's: the asymmetric clip of DAPO (more room to raise a
+# good token's probability than to lower it) and a short warm-start warmup, as tuned in
+# tests/runtime/rl/test_loop.py.
+CLIP_LOW: Final = 0.2
+CLIP_HIGH: Final = 0.28
+WARM_START_WARMUP_STEPS: Final = 10
 
 
 def driver_name(job_id: int) -> str:
@@ -89,8 +95,10 @@ def rl_config(spec: Mapping[str, Any]) -> RLJobConfig:
             temperature=float(runtime["temperature"]),
             learning_rate=float(runtime["learning_rate"]),
             micro_batch_size=int(runtime["micro_batch_size"]),
-            grpo=GRPOConfig(kl_coef=float(runtime["kl_coef"])),
+            grpo=GRPOConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=float(runtime["kl_coef"])),
+            dataset_size=None if runtime.get("dataset_size") is None else int(runtime["dataset_size"]),
             warm_start_steps=int(runtime["warm_start_steps"]),
+            warm_start_warmup_steps=WARM_START_WARMUP_STEPS,
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"the spec's runtime section is incomplete: {exc}") from exc
