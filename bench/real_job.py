@@ -12,9 +12,9 @@ with its components placed as the policy places them, the benchmark waits until 
 reads the results its driver reported (one ``IterationResult`` per iteration), stops the agents and
 deletes that run's rows. Same cluster, same seed: what differs is only the placement.
 
-- **disaggregated**: rollout, reward and actor on their own GPUs (2, 1 and 1 of 4);
-- **colocated**: the rollout engines and the trainer's ranks time-share every GPU, one reward
-  worker on the first.
+- **disaggregated**: rollout, reference, reward and actor on their own GPUs (4, 1, 1 and 2 of 8);
+- **colocated**: the rollout engines and the trainer's ranks time-share every GPU (8 of each), the
+  reference and the reward worker on the first two.
 
 It prints three tables: per policy, the wall time, tokens generated per second and trained
 samples per second, and the first and last iterations' mean reward; the device time (GPUs × wall)
@@ -74,24 +74,32 @@ class PolicyRun:
 
 
 def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, Any]:
-    """The real job, placed as ``policy`` places it on ``2 × gpus`` GPUs."""
+    """The real job (the live test's and the ray demo's), placed as ``policy`` places it on
+    ``2 × gpus`` GPUs."""
     total = 2 * gpus
     if policy == "static-colocated":
         components = [
             {"name": "rollout", "kind": "rollout", "placement": f"0-{total - 1}"},
-            {"name": "reward", "kind": "reward", "placement": "0", "depends_on": ["rollout"]},
+            {"name": "reference", "kind": "inference", "placement": "0"},
+            {"name": "reward", "kind": "reward", "placement": "1", "depends_on": ["rollout"]},
             {
                 "name": "actor",
                 "kind": "actor",
                 "placement": f"0-{total - 1}",
-                "depends_on": ["rollout", "reward"],
+                "depends_on": ["rollout", "reward", "reference"],
             },
         ]
     else:
         components = [
-            {"name": "rollout", "kind": "rollout", "workers": total - 2},
+            {"name": "rollout", "kind": "rollout", "workers": total - 4},
+            {"name": "reference", "kind": "inference", "workers": 1},
             {"name": "reward", "kind": "reward", "workers": 1, "depends_on": ["rollout"]},
-            {"name": "actor", "kind": "actor", "workers": 1, "depends_on": ["rollout", "reward"]},
+            {
+                "name": "actor",
+                "kind": "actor",
+                "workers": 2,
+                "depends_on": ["rollout", "reward", "reference"],
+            },
         ]
     return {
         "name": f"bench-real-{policy}",
@@ -100,28 +108,20 @@ def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, An
         "workload": {
             "iterations": iterations,
             "prompts_per_iteration": 16,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 56,
+            "samples_per_prompt": 8,
+            "max_new_tokens": 40,
         },
-        "runtime": {"seed": seed, **BENCH_RUNTIME},
+        "runtime": {"seed": seed, "dataset_size": 16, "kl_coef": 0.02},
         "components": components,
         "policy": {"name": policy},
     }
-
-
-BENCH_RUNTIME: dict[str, Any] = {
-    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_hidden_size": 64, "max_positions": 64},
-    "task": {"max_digits": 2},
-    "warm_start_steps": 150,
-    "micro_batch_size": 16,
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.real_job", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--gpus", type=int, default=2, help="logical GPUs per Ray node (default 2)")
+    parser.add_argument("--gpus", type=int, default=4, help="logical GPUs per Ray node (default 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a job may take")
     parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if unknown := [p for p in policies if p not in POLICIES]:
         parser.error(f"--policies: the real job runs under {', '.join(POLICIES)}, not {unknown[0]!r}")
-    if args.iterations < 1 or args.gpus < 2:
-        parser.error("--iterations must be at least 1 and --gpus at least 2")
+    if args.iterations < 1 or args.gpus < 3:
+        parser.error("--iterations must be at least 1 and --gpus at least 3")
     for policy in policies:
         parse_spec(job_spec(policy, args.iterations, args.seed, args.gpus))  # refused here, not mid-run
     setup_django()
@@ -157,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plane.start()
         for policy in policies:
             runs.append(run_policy(args, plane, policy, f"127.0.0.1:{head_port}", workdir, ray_nodes))
-            print(f"{policy}: {runs[-1].state} in {runs[-1].wall_s:.1f} s", flush=True)
+            detail = f" ({runs[-1].detail})" if runs[-1].state != "succeeded" else ""
+            print(f"{policy}: {runs[-1].state}{detail} in {runs[-1].wall_s:.1f} s", flush=True)
     finally:
         plane.stop()
         for proc in reversed(ray_nodes):
@@ -289,6 +290,8 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|",
     ]
     for run in runs:
+        if not run.results:
+            continue
         total = run.total_devices * run.wall_s
         busy: dict[str, float] = {}
         for result in run.results:
