@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 
 from runtime.engine.client import EngineClient
+from runtime.engine.cpu_server import ENGINE_NAME
 from runtime.engine.weight_sync import (
     DEFAULT_GROUP_NAME,
     WeightUpdateGroup,
@@ -27,6 +28,14 @@ from runtime.engine.weight_sync import (
 )
 
 T = TypeVar("T")
+
+
+def weight_update_backend(device: torch.device, engine_infos: Sequence[Mapping[str, object]]) -> str:
+    """The weight-update group's backend: NCCL when the trainer's weights are on a CUDA device and
+    every engine is a GPU server (SGLang), gloo otherwise (the CPU stand-in, or a CPU trainer)."""
+    if device.type == "cuda" and all(info.get("engine") != ENGINE_NAME for info in engine_infos):
+        return "nccl"
+    return "gloo"
 
 
 class WeightPusher:
@@ -45,6 +54,7 @@ class WeightPusher:
         if not engine_urls:
             raise ValueError("a weight push needs at least one engine")
         self.group_name = group_name
+        self.backend = backend
         self.timeout_s = timeout_s
         self.clients = [
             EngineClient(url, timeout_s=timeout_s, generate_timeout_s=timeout_s) for url in engine_urls
@@ -65,7 +75,9 @@ class WeightPusher:
         """Send ``weights`` (the engine's names) to every engine, which then reports
         ``weight_version``. Returns once every engine has loaded them."""
         names = list(weights)
-        tensors = [weights[name].detach() for name in names]
+        # Over gloo the tensors travel from host memory; over NCCL they stay on the device.
+        on_host = self.backend == "gloo"
+        tensors = [weights[name].detach().cpu() if on_host else weights[name].detach() for name in names]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         updates = self._on_every_engine(

@@ -39,12 +39,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch._C import _distributed_c10d as c10d  # torch.distributed's stores are untyped there
 
 from agents.backends.ray.connection import RayNode
+from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import CpuEngine, EngineSettings
 from runtime.engine.cpu_server import CpuEngineServer
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import Trajectory
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
-from runtime.rl.weight_push import WeightPusher
+from runtime.rl.weight_push import WeightPusher, weight_update_backend
 from runtime.task.arithmetic import Problem, score
 
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
@@ -230,7 +231,12 @@ class TrainerRankWorker:
             raise ValueError("only data-parallel rank 0 pushes weights to the engines")
         if self._pusher is not None:
             self._pusher.close()
-        self._pusher = WeightPusher(engine_urls, node_ip(), free_port())
+        infos = []
+        for url in engine_urls:
+            with EngineClient(url) as client:
+                infos.append(client.server_info())
+        backend = weight_update_backend(self._joined().device, infos)
+        self._pusher = WeightPusher(engine_urls, node_ip(), free_port(), backend=backend)
 
     def push_weights(self) -> str:
         """Rank 0: send the current weights to every engine; returns their weight version."""
