@@ -12,8 +12,8 @@ with its components placed as the policy places them, the benchmark waits until 
 reads the results its driver reported (one ``IterationResult`` per iteration), stops the agents and
 deletes that run's rows. Same cluster, same seed: what differs is only the placement.
 
-- **disaggregated**: rollout, reference, reward and actor on their own GPUs (4, 1, 1 and 2 of 8);
-- **colocated**: the rollout engines and the trainer's ranks time-share every GPU (8 of each), the
+- **disaggregated**: rollout, reference, reward and actor on their own GPUs (1 each of 4);
+- **colocated**: the rollout engines and the trainer's ranks time-share every GPU (4 of each), the
   reference and the reward worker on the first two.
 
 It prints three tables: per policy, the wall time, tokens generated per second and trained
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.real_job", description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--gpus", type=int, default=4, help="logical GPUs per Ray node (default 4)")
+    parser.add_argument("--gpus", type=int, default=2, help="logical GPUs per Ray node (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a job may take")
     parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if unknown := [p for p in policies if p not in POLICIES]:
         parser.error(f"--policies: the real job runs under {', '.join(POLICIES)}, not {unknown[0]!r}")
-    if args.iterations < 1 or args.gpus < 3:
-        parser.error("--iterations must be at least 1 and --gpus at least 3")
+    if args.iterations < 1 or args.gpus < 2:
+        parser.error("--iterations must be at least 1 and --gpus at least 2")
     for policy in policies:
         parse_spec(job_spec(policy, args.iterations, args.seed, args.gpus))  # refused here, not mid-run
     setup_django()
@@ -276,6 +276,9 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
+        if not run.results:
+            lines.append(f"| {run.policy} | {run.state}: {run.detail} | | | | | |")
+            continue
         generated = sum(r["tokens_generated"] for r in run.results)
         samples = sum(r["samples"] for r in run.results)
         first = run.results[0]["mean_reward"] if run.results else float("nan")

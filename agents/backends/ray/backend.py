@@ -110,6 +110,7 @@ class RayBackend:
         self._samples: dict[str, _Sample] = {}
         self._lost: dict[int, str] = {}  # job -> why it cannot go on (a worker of ours died)
         self._engines: dict[str, EngineClient] = {}  # engine worker -> a client of its server
+        self._closed = False
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> RayBackend:
@@ -221,6 +222,8 @@ class RayBackend:
         """What the node's workers did since the previous call. Bounded in time (the heartbeat
         waits on it): every worker is asked at once, and one that does not answer within
         ``TELEMETRY_WAIT_S`` is left for the next call, which covers this interval too."""
+        if self._closed:
+            return Telemetry()  # the agent is exiting: its last heartbeat carries no readings
         now = time.time()
         workers: list[WorkerReading] = []
         cpu_by_device: dict[int, float] = {}
@@ -382,6 +385,7 @@ class RayBackend:
 
     def close(self) -> None:
         """Leave the cluster; the workers and drivers run on (they are detached)."""
+        self._closed = True
         if ray.is_initialized():
             ray.shutdown()
 

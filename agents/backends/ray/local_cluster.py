@@ -26,6 +26,8 @@ from typing import Any
 
 from agents.backends.ray import LOOPBACK_ENV
 
+HEALTH_CHECK_FAILURES = 40  # Ray's default is 5 checks, 3 s apart
+
 
 def loopback_ready() -> bool:
     return all(os.environ.get(name) == value for name, value in LOOPBACK_ENV.items())
@@ -45,7 +47,14 @@ def start_local_cluster(nodes: Sequence[str], *, gpus: int, port: int | None = N
     from ray.cluster_utils import Cluster
 
     common: dict[str, Any] = {"num_cpus": 1, "num_gpus": gpus, "node_ip_address": "127.0.0.1"}
-    head: dict[str, Any] = {**common, "node_name": nodes[0], "include_dashboard": False}
+    head: dict[str, Any] = {
+        **common,
+        "node_name": nodes[0],
+        "include_dashboard": False,
+        # All nodes share this machine's cores: while a job's workers start (each imports torch),
+        # a raylet may answer the GCS's health checks late; it is not dead for that.
+        "_system_config": {"health_check_failure_threshold": HEALTH_CHECK_FAILURES},
+    }
     if port is not None:
         head["gcs_server_port"] = port
     cluster = Cluster(initialize_head=True, head_node_args=head)
