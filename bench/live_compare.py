@@ -48,6 +48,7 @@ from bench.stack import (
     server_problems,
     setup_django,
     wait_for,
+    wait_job_ended,
 )
 from jobs.spec import JobSpec, SpecError, load_document, parse_spec
 from scheduler.core.policies import POLICY_NAMES
@@ -261,15 +262,7 @@ def run_policy(
             workdir,
         )
         setup_s = time.monotonic() - began
-        deadline = time.monotonic() + args.timeout
-        while time.monotonic() < deadline:
-            job.refresh_from_db()
-            if job.is_terminal:
-                break
-            if any(p.poll() is not None for p in watched):
-                raise SystemExit(f"a process ended while the {policy} job ran; its logs are in {workdir}")
-            time.sleep(1.0)
-        job.refresh_from_db()
+        wait_job_ended(job, args.timeout, watched, workdir, f"the {policy} job")
         result = describe(job, policy, setup_s)
         if args.dump is not None:
             dump_run(job, args.dump / f"{policy}.json")

@@ -34,7 +34,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from bench.stack import (
     setup_django,
     stop_process,
     wait_for,
+    wait_job_ended,
 )
 from controlplane.processes import local_ray_cluster_command, ray_agent_command
 from jobs.spec import parse_spec
@@ -220,15 +220,7 @@ def run_policy(
         spec = job_spec(policy, args.iterations, args.seed, args.gpus)
         job = submit_job(owner=owner, source=spec, actor=Actor.system("bench-real-job")).job
         cluster.job_ids.append(job.pk)
-        deadline = time.monotonic() + args.timeout
-        while time.monotonic() < deadline:
-            job.refresh_from_db()
-            if job.is_terminal:
-                break
-            if any(p.poll() is not None for p in watched):
-                raise SystemExit(f"a process ended while the {policy} job ran; its logs are in {workdir}")
-            time.sleep(1.0)
-        job.refresh_from_db()
+        wait_job_ended(job, args.timeout, watched, workdir, f"the {policy} job")
         results = [dict(row.metrics) for row in IterationResult.objects.filter(job=job).order_by("iteration")]
         devices = {
             group.name: Device.objects.filter(worker__group=group).count()

@@ -97,6 +97,22 @@ def wait_for(
     raise SystemExit(f"timed out after {timeout_s:g} s waiting for {what}; logs in {workdir}")
 
 
+def wait_job_ended(
+    job: Any, timeout_s: float, watched: Sequence[subprocess.Popen[bytes]], workdir: Path, what: str
+) -> None:
+    """Until ``job`` (a Job row) ends or ``timeout_s`` passes; SystemExit when one of the
+    ``watched`` processes ends meanwhile. The row is fresh on return."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job.refresh_from_db()
+        if job.is_terminal:
+            return
+        if any(p.poll() is not None for p in watched):
+            raise SystemExit(f"a process ended while {what} ran; its logs are in {workdir}")
+        time.sleep(1.0)
+    job.refresh_from_db()
+
+
 def start_celery(kind: str, workdir: Path, tag: str, concurrency: int) -> subprocess.Popen[bytes]:
     args = celery_command(kind, workdir, hostname=f"{tag}@%h", concurrency=concurrency, standalone=True)
     log = open(workdir / f"{kind}.log", "wb")  # noqa: SIM115 - the process holds it until it ends
