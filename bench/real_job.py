@@ -91,13 +91,13 @@ def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, An
         ]
     else:
         components = [
-            {"name": "rollout", "kind": "rollout", "workers": total - 4},
+            {"name": "rollout", "kind": "rollout", "workers": total - 3},
             {"name": "reference", "kind": "inference", "workers": 1},
             {"name": "reward", "kind": "reward", "workers": 1, "depends_on": ["rollout"]},
             {
                 "name": "actor",
                 "kind": "actor",
-                "workers": 2,
+                "workers": 1,
                 "depends_on": ["rollout", "reward", "reference"],
             },
         ]
