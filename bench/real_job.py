@@ -66,7 +66,7 @@ class PolicyRun:
     policy: str
     wall_s: float
     results: list[dict[str, Any]]
-    devices: dict[str, int]  # component -> devices it holds (time-shared ones count for each holder)
+    devices: dict[str, int]  # component kind -> devices it holds (time-shared ones count for each holder)
     total_devices: int
     state: str
     detail: str = ""
@@ -189,12 +189,14 @@ def run_policy(
     run's rows are deleted afterwards, whatever happened."""
     # Django's models load only after setup_django(); this module is imported before it runs.
     from django.contrib.auth import get_user_model
+    from django.utils import timezone
 
-    from cluster.models import Device, Node, NodeStatus
+    from cluster.models import Node, NodeStatus
     from common.audit import Actor
-    from jobs.models import IterationResult
+    from jobs.models import IterationResult, Worker, WorkerState
     from jobs.services import submit_job
 
+    began = timezone.now()
     tag = f"{plane.tag}-{policy.split('-')[-1]}"
     cluster = Run(tag=tag, hardware="ray-logical", bootstrap_raw=secrets.token_urlsafe(24))
     token_file = bootstrap(cluster, workdir)
@@ -214,19 +216,20 @@ def run_policy(
         agents.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
     watched = [*plane.processes, *ray_nodes, *agents]
     try:
-        ready = Node.objects.filter(name__in=NODES, status=NodeStatus.READY)
+        # Registered by this run's agents (a node of an earlier run keeps its name and row).
+        ready = Node.objects.filter(name__in=NODES, status=NodeStatus.READY, registered_at__gte=began)
         wait_for(lambda: ready.count() == len(NODES), 180, "the ray agents", watched, workdir)
         owner = get_user_model().objects.create_user(username=f"{tag}-owner")
         spec = job_spec(policy, args.iterations, args.seed, args.gpus)
         job = submit_job(owner=owner, source=spec, actor=Actor.system("bench-real-job")).job
         cluster.job_ids.append(job.pk)
         wait_job_ended(job, args.timeout, watched, workdir, f"the {policy} job")
+        # The agents stop the job's workers (and its driver) before they go: the next placement
+        # starts on an empty Ray cluster.
+        live = Worker.objects.filter(group__job=job).exclude(state=WorkerState.STOPPED)
+        wait_for(lambda: not live.exists(), 120, "the job's workers to stop", watched, workdir)
         results = [dict(row.metrics) for row in IterationResult.objects.filter(job=job).order_by("iteration")]
-        devices = {
-            group.name: Device.objects.filter(worker__group=group).count()
-            + Device.objects.filter(colocated_workers__group=group).distinct().count()
-            for group in job.groups.all()
-        }
+        devices = devices_by_kind(spec)
         started, finished = job.started_at, job.finished_at or job.started_at
         wall = (finished - started).total_seconds() if started and finished else float("nan")
         lengths: Counter[int] = Counter()
@@ -247,6 +250,18 @@ def run_policy(
         for proc in agents:
             stop_process(proc, timeout_s=60)
         cleanup(cluster)
+
+
+def devices_by_kind(spec: dict[str, Any]) -> dict[str, int]:
+    """The devices each kind of component holds as the spec places it (a time-shared device
+    counts for each of its holders)."""
+    held: Counter[str] = Counter()
+    for component in parse_spec(spec).components:
+        count = len(component.placement) if component.placement is not None else (component.workers or 0)
+        held[component.kind.value] += count * (
+            1 if component.placement is not None else component.gpus_per_worker
+        )
+    return dict(held)
 
 
 # Which component's devices each phase of an iteration keeps busy.

@@ -374,10 +374,12 @@ class RayBackend:
                 if str(key).isdigit() and isinstance(spec, Mapping):
                     self._specs[int(key)] = spec
             for name, payload in wanted.items():
-                self._payloads[name] = payload
                 job = job_of(name)
-                # A worker still starting is launched again by its command, which comes again.
-                if name not in running and job is not None and payload.get("state") == "running":
+                if name in running:
+                    self._payloads[name] = payload
+                # A worker still starting is not watched yet: its launch command comes (again) and
+                # starts it. One the control plane has running but whose actor is gone is lost.
+                elif job is not None and payload.get("state") == "running":
                     self._lost.setdefault(
                         job, f"worker {name} on {self.host} was gone when its agent came back"
                     )
