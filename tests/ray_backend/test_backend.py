@@ -178,3 +178,19 @@ def test_a_worker_that_dies_fails_the_job_with_a_readable_reason(agents: dict[st
     for node, workers in layout(job).items():
         agents[node].stop_workers(job, [w["worker"] for w in workers])
     assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
+
+
+def test_after_its_agent_comes_back_a_starting_worker_is_not_lost_but_a_running_one_without_actor_is(
+    agents: dict[str, RayBackend],
+) -> None:
+    """The registration reply lists what the control plane expects on the node: a worker still
+    starting gets its launch command (again); one it has running whose actor is gone is lost."""
+    backend = agents["node-b"]
+    starting = {**worker(41, "rollout", 1, "rollout", 0), "state": "starting"}
+    result = backend.reconcile([starting], {"41": tiny_spec("job-41")})
+    assert result == {"stopped": [], "relaunched": []}
+    assert backend.telemetry().jobs == []  # nothing watched, nothing lost
+    running = {**worker(42, "actor", 1, "actor", 1), "state": "running"}
+    backend.reconcile([running], {"42": tiny_spec("job-42")})
+    [entry] = [e for e in backend.telemetry().jobs if e["job"] == 42] or [{"failure": None}]
+    assert entry.get("failure") == "worker j42-actor-w1 on node-b was gone when its agent came back"

@@ -337,14 +337,17 @@ class RayBackend:
             job = job_of(name)
             if job is not None:
                 by_job.setdefault(job, []).append(payload)
+        with self._lock:
+            lost = dict(self._lost)
         entries = []
-        for job, mine in sorted(by_job.items()):
-            with self._lock:
-                lost = self._lost.get(job)
-            progress = job_driver.driver_progress(job)
+        # A job whose workers here are all gone is still reported: its failure must reach the
+        # control plane.
+        for job in sorted(set(by_job) | set(lost)):
+            mine = by_job.get(job, [])
+            progress = job_driver.driver_progress(job) if mine else None
             entry = job_driver.progress_entry(job, progress, mine)
-            if lost is not None:
-                entry["failure"] = lost
+            if job in lost:
+                entry["failure"] = lost[job]
             entries.append(entry)
         return entries
 
