@@ -278,6 +278,7 @@ class JobDriver:
         self._samples: dict[str, tuple[int, int]] = {}
         self._results: list[dict[str, Any]] = []
         self._failure: str | None = None
+        self._workers: dict[str, Any] = {}  # member worker -> its actor, once found
         self._thread = threading.Thread(target=self._run, name=f"job-{job_id}-driver", daemon=True)
         self._thread.start()
 
@@ -338,7 +339,7 @@ class JobDriver:
         except JobFailed as exc:
             self._fail(str(exc))
         except RayActorError as exc:
-            self._fail(f"a worker of the job died: {_first_line(exc)}")
+            self._fail(f"a call to one of its workers failed: {_first_line(exc)}")
         except (RayError, EngineError, OSError, ValueError, RuntimeError) as exc:
             log.exception("job %s: the driver's loop failed", self.job_id)
             self._fail(f"{type(exc).__name__}: {_first_line(exc)}")
@@ -347,16 +348,35 @@ class JobDriver:
             self._fail(f"{type(exc).__name__}: {_first_line(exc)}")
 
     def _fail(self, why: str) -> None:
+        # The error a call raised rarely names the worker behind it (an engine's HTTP error names
+        # a URL); the operator is told which of the job's workers are gone.
+        dead = self._dead_workers()
+        if dead:
+            why = f"worker {', '.join(dead)} died ({why})"
         with self._lock:
             if not self._stopping:
                 self._failure = why
                 self._phase = "failed"
 
+    def _dead_workers(self) -> list[str]:
+        """The job's workers whose actors are gone, asked of all at once."""
+        pings = {handle.__ray_ready__.remote(): name for name, handle in self._workers.items()}
+        if not pings:
+            return []
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=CALL_TIMEOUT_S)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                dead.append(pings[ref])
+        return sorted(dead)
+
     def _loop(self) -> None:
         view = self._wait_for(
             lambda v: all(v.members.get(g, ("", ()))[1] for g in self.groups), timeout_s=SETUP_TIMEOUT_S
         )
-        workers = self._resolve(view)
+        workers = self._workers = self._resolve(view)
         self._set(phase="setting up")
         engines, reference, reward, trainer = self._setup(view, workers)
         self._set(phase="ready")
