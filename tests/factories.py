@@ -55,6 +55,15 @@ def spec(
     return data
 
 
+def ray_spec(name: str = "math-real", *, rollout: int = 1, actor: int = 2, **extra: Any) -> dict[str, Any]:
+    """A job the ray runtime can run (``spec`` plus what its rules ask: a reward component, and
+    responses that fit the runtime's model)."""
+    data = spec(name, rollout=rollout, actor=actor, backend="ray", **extra)
+    data["workload"]["max_new_tokens"] = 40
+    data["components"].append({"name": "reward", "kind": "reward", "workers": 1})
+    return data
+
+
 def submit(owner: User, data: dict[str, Any] | None = None, **kwargs: Any) -> Job:
     return services.submit_job(owner=owner, source=data or spec(), actor=Actor.for_user(owner), **kwargs).job
 

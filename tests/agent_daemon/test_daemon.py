@@ -24,7 +24,7 @@ from jobs.models import Job, JobState, Worker, WorkerState
 from scheduler.models import Migration, MigrationStep, StepState, TelemetrySample
 from scheduler.services import gpu_migrations
 from tests.agent_daemon.conftest import AgentProcess, LiveServer
-from tests.factories import make_user, spec, submit
+from tests.factories import make_user, ray_spec, spec, submit
 from tests.services import free_port, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -363,7 +363,7 @@ def test_the_agent_registers_the_job_backends_its_backend_runs(agent: AgentProce
     node = registered(agent)
     assert (node.backend, node.backends) == ("sim", ["sim", "ray"])
     # Admission takes the agent at its word: a ray job runs here.
-    job = submit(make_user("alice"), spec(rollout=2, actor=2, backend="ray"))
+    job = submit(make_user("alice"), ray_spec(rollout=1, actor=2))
     eventually(lambda: job_state(job) == JobState.RUNNING, agent, "the ray job never started running")
     agent.signal()
     assert agent.wait() == 0

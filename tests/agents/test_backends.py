@@ -11,7 +11,7 @@ from common.models import AuditEvent
 from jobs.models import Job, JobReason, JobState, Worker
 from tests.agents.conftest import Agent, devices, register
 from tests.agents.test_register import post_register
-from tests.factories import make_user, spec, submit
+from tests.factories import make_user, ray_spec, spec, submit
 
 pytestmark = pytest.mark.django_db
 
@@ -72,7 +72,7 @@ def test_bad_backends_are_refused_by_field(
 def test_a_ray_job_waits_for_a_ray_node_and_never_runs_on_sim_hosts(client: Client, bootstrap: str) -> None:
     sim = {host: register(client, bootstrap, host, gpus=4)[0] for host in ("sim-a", "sim-b")}
     owner = make_user("alice")
-    job = submit(owner, spec("ray-job", rollout=2, actor=2, backend="ray"))
+    job = submit(owner, ray_spec("ray-job", rollout=1, actor=2))
 
     # Eight free simulated GPUs, but none runs ray: the job waits and says why.
     assert (job.state, job.state_reason) == (JobState.PENDING, JobReason.WAITING_FOR_DEVICES)
@@ -112,13 +112,14 @@ def test_a_job_waiting_for_its_backend_does_not_hold_back_jobs_of_another(
 ) -> None:
     register(client, bootstrap, "sim-a", gpus=4)
     owner = make_user("alice")
-    ray_job = submit(owner, spec("ray-first", rollout=2, actor=2, backend="ray", priority=10))
+    ray_job = submit(owner, ray_spec("ray-first", rollout=1, actor=2, priority=10))
     sim_job = submit(owner, spec("sim-later", rollout=2, actor=2))
     assert ray_job.state == JobState.PENDING
     assert sim_job.state == JobState.ADMITTED and nodes_of(sim_job) == {"sim-a"}
     # Jobs of the waiting job's own backend keep its priority order behind it.
-    small_ray = submit(owner, spec("ray-small", rollout=1, actor=1, backend="ray"))
-    register(client, bootstrap, "ray-a", gpus=2, backend="ray", backends=["ray"])
+    small_ray = submit(owner, ray_spec("ray-small", rollout=1, actor=1))
+    # Room for the small one (3 GPUs), not the first (4): the small one still waits behind it.
+    register(client, bootstrap, "ray-a", gpus=3, backend="ray", backends=["ray"])
     ray_job.refresh_from_db()
     small_ray.refresh_from_db()
     assert (ray_job.state, small_ray.state) == (JobState.PENDING, JobState.PENDING)
@@ -131,7 +132,7 @@ def test_a_job_no_cluster_of_this_shape_could_hold_is_still_refused(client: Clie
     response = Client()
     response.force_login(make_user("alice"))
     refused = response.post(
-        "/api/v1/jobs/", spec("huge-ray", rollout=100, backend="ray"), content_type="application/json"
+        "/api/v1/jobs/", ray_spec("huge-ray", rollout=100, actor=2), content_type="application/json"
     )
     assert refused.status_code == 422
     assert [f["path"] for f in refused.json()["error"]["fields"]] == ["components.rollout"]

@@ -17,7 +17,7 @@ from scheduler import telemetry
 from scheduler.core.decisions import Reason
 from scheduler.models import HypergraphSnapshot, Migration, MigrationState, SchedulingDecision, Tick
 from scheduler.services import tick
-from tests.factories import make_cluster, make_user, mark_running, spec, submit
+from tests.factories import make_cluster, make_user, mark_running, ray_spec, spec, submit
 from tests.scheduler.test_gpu_migrations import deliver_all
 
 
@@ -150,10 +150,10 @@ def test_loans_go_home_when_the_iteration_ends_even_if_a_migration_held_the_boun
 def test_a_job_grows_only_into_free_devices_of_nodes_that_run_its_backend() -> None:
     make_cluster({"node-a": ("H100", 4), "node-b": ("H100", 4)})
     Node.objects.filter(name="node-a").update(backend="ray", backends=["ray"])
-    data = spec(rollout=2, actor=2, backend="ray")
+    data = ray_spec(rollout=1, actor=2)
     data["policy"]["params"] = {"sustain_s": 0.0, "cooldown_s": 0.0, "min_gain_ratio": 0.0}
     job = mark_running(submit(make_user("alice"), data))
-    busy = ({"rollout": 0.9, "actor": 1.0}, {"rollout": 5, "actor": 800})
+    busy = ({"rollout": 0.9, "actor": 1.0, "reward": 0.1}, {"rollout": 5, "actor": 800, "reward": 0})
     report(job, *busy)
 
     # The trainer is the bottleneck and node-b's four GPUs are free, but node-b runs sim hosts.
