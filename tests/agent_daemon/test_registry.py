@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from agents.daemon.registry import BACKENDS, BackendError, load_backend, offered_backends
 from tests.agent_daemon.recording import RecordingBackend
@@ -28,6 +29,8 @@ def test_known_names_point_at_the_backend_modules() -> None:
 
 def test_a_ray_backend_whose_cluster_cannot_be_reached_is_a_clear_error_at_once() -> None:
     """Not a hang: the agent exits with the address it tried (nothing listens on port 1)."""
+    if ray.is_initialized():
+        ray.shutdown()  # an agent joins its cluster once; this process may have joined the tests' one
     started = time.monotonic()
     with pytest.raises(
         BackendError, match=r"backend 'ray' cannot start: cannot reach the Ray cluster at 127\.0\.0\.1:1"
