@@ -105,16 +105,11 @@ class RayBackend:
             )
         self.checkpoint_dir = checkpoint_dir or str(Path("/tmp") / "dynarl-checkpoints")
         self._lock = threading.Lock()
-        self._specs: dict[int, Mapping[str, Any]] = {}
         self._payloads: dict[str, Mapping[str, Any]] = {}  # worker -> its launch payload
         self._samples: dict[str, _Sample] = {}
         self._lost: dict[int, str] = {}  # job -> why it cannot go on (a worker of ours died)
         self._engines: dict[str, EngineClient] = {}  # engine worker -> a client of its server
         self._closed = False
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> RayBackend:
-        return cls(**config)
 
     # -- the agent's calls ---------------------------------------------------------------------
 
@@ -139,8 +134,6 @@ class RayBackend:
                 "ok": False,
                 "workers": {str(w.get("worker")): {"ok": False, "error": problem} for w in workers},
             }
-        with self._lock:
-            self._specs[job_id] = spec
         # First, so that whichever node reports the job's workers first finds its driver there.
         job_driver.ensure_driver(job_id, spec, self.node, self.checkpoint_dir)
         handles: dict[str, Any] = {}
@@ -209,7 +202,6 @@ class RayBackend:
             if not job_driver.job_actors(owner):
                 job_driver.stop_driver(owner)
                 with self._lock:
-                    self._specs.pop(owner, None)
                     self._lost.pop(owner, None)
         return {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
 
@@ -233,7 +225,8 @@ class RayBackend:
         for name, payload in payloads.items():
             if name not in usages:
                 continue
-            reading = self._read_worker(name, payload, usages[name], now)
+            handle, usage = usages[name]
+            reading = self._read_worker(name, payload, handle, usage, now)
             if reading is None:
                 continue
             workers.append(reading[0])
@@ -248,24 +241,24 @@ class RayBackend:
         ]
         return Telemetry(devices=devices, workers=workers, jobs=self._job_entries(payloads))
 
-    def _usages(self, payloads: Mapping[str, Mapping[str, Any]]) -> dict[str, WorkerUsage]:
+    def _usages(self, payloads: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[Any, WorkerUsage]]:
         """Each worker's usage, asked of all at once; a worker whose actor is gone marks its job
         lost, one that is slow to answer is skipped."""
-        pending: dict[Any, str] = {}
+        pending: dict[Any, tuple[str, Any]] = {}
         for name in payloads:
             handle = worker_handle(self.node.name, name)
             if handle is None:
                 self._mark_lost(name)
                 continue
-            pending[handle.usage.remote()] = name
-        usages: dict[str, WorkerUsage] = {}
+            pending[handle.usage.remote()] = (name, handle)
+        usages: dict[str, tuple[Any, WorkerUsage]] = {}
         if not pending:
             return usages
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=TELEMETRY_WAIT_S)
         for ref in ready:
-            name = pending[ref]
+            name, handle = pending[ref]
             try:
-                usages[name] = ray.get(ref)
+                usages[name] = (handle, ray.get(ref))
             except RayActorError:
                 self._mark_lost(name)
         return usages
@@ -277,9 +270,8 @@ class RayBackend:
                 self._lost.setdefault(job, f"worker {name} on {self.host} died (its Ray actor is gone)")
 
     def _read_worker(
-        self, name: str, payload: Mapping[str, Any], usage: WorkerUsage, now: float
+        self, name: str, payload: Mapping[str, Any], handle: Any, usage: WorkerUsage, now: float
     ) -> tuple[WorkerReading, float] | None:
-        handle = worker_handle(self.node.name, name)
         with self._lock:
             previous = self._samples.get(name)
             self._samples[name] = _Sample(at=now, usage=usage)
@@ -373,9 +365,6 @@ class RayBackend:
         if extra:
             self.stop_workers(0, extra)
         with self._lock:
-            for key, spec in jobs.items():
-                if str(key).isdigit() and isinstance(spec, Mapping):
-                    self._specs[int(key)] = spec
             for name, payload in wanted.items():
                 job = job_of(name)
                 if name in running:
