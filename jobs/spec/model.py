@@ -122,9 +122,13 @@ class RuntimeSpec:
     kl_coef: float = 0.0
     micro_batch_size: int = 64
     warm_start_steps: int = 300
+    # Rollout and inference engines: real SGLang where it is installed and CUDA is present, else
+    # the CPU stand-in ("auto"); "sglang" fails a worker that cannot run it; "cpu" always the stand-in.
+    engine: str = "auto"
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "engine": self.engine,
             "model": self.model.to_json(),
             "task": {"max_digits": self.max_digits, "zipf_exponent": self.zipf_exponent},
             "dataset_size": self.dataset_size,
@@ -149,6 +153,7 @@ class RuntimeSpec:
             kl_coef=float(data["kl_coef"]),
             micro_batch_size=int(data["micro_batch_size"]),
             warm_start_steps=int(data["warm_start_steps"]),
+            engine=str(data.get("engine", "auto")),
         )
 
 

@@ -18,6 +18,7 @@ from jobs.spec.sections import Section
 from scheduler.core.hypergraph import ComponentKind
 
 RUNTIME_KEYS: Final = (
+    "engine",
     "model",
     "task",
     "dataset_size",
@@ -30,6 +31,8 @@ RUNTIME_KEYS: Final = (
 )
 RUNTIME_MODEL_KEYS: Final = ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_positions")
 TASK_KEYS: Final = ("max_digits", "zipf_exponent")
+# The rollout engines a job may ask for (runtime/engine/sglang_server.py chooses between them).
+ENGINES: Final = ("auto", "sglang", "cpu")
 RAY_KINDS: Final = (ComponentKind.ROLLOUT, ComponentKind.INFERENCE, ComponentKind.REWARD, ComponentKind.ACTOR)
 # Bounds that keep a job a small model on the hosts' CPUs or GPUs, not a mistake that runs for days.
 MAX_HIDDEN: Final = 4096
@@ -89,6 +92,7 @@ def read_runtime(
                 "warm_start_steps", defaults.warm_start_steps, minimum=0, maximum=1_000_000
             )
             or 0,
+            engine=section.string("engine", defaults.engine, choices=ENGINES) or defaults.engine,
         )
     _check_job(top, runtime, workload, drafts)
     ok = len(top.problems.errors) == before

@@ -48,7 +48,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from runtime.engine.model import GPT, GPTConfig, KvPool, expected_parameter_shapes, init_random_gpt
+from runtime.engine.model import GPT, GPTConfig, KvPool, init_random_gpt
 from runtime.engine.prefix_cache import PrefixCache
 from runtime.engine.sampling import SamplingParams, sample_token
 from runtime.engine.weight_sync import (
@@ -58,6 +58,7 @@ from runtime.engine.weight_sync import (
     receive_from_trainer,
     release_weight_update_group,
 )
+from runtime.model.checkpoint import CheckpointError, hf_to_engine_slices, load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -354,24 +355,21 @@ class CpuEngine:
     def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
     ) -> str:
-        """Load a ``torch.save``d state dict (a file, or a directory holding ``model.pt``) with the
-        parameter names of model.py; requests in flight continue under the new weights."""
+        """Load a checkpoint directory in the Hugging Face layout SGLang reads (``config.json`` +
+        ``model.safetensors``, see runtime/model/checkpoint.py); its model shape must be this
+        engine's. Requests in flight continue under the new weights."""
 
         def run() -> str:
-            path = Path(model_path)
-            if path.is_dir():
-                path = path / "model.pt"
-            if not path.is_file():
+            try:
+                config, tensors = load_checkpoint(Path(model_path))
+            except CheckpointError as error:
+                raise EngineRequestError(str(error)) from error
+            if config != self.config:
                 raise EngineRequestError(
-                    f"no weights at {model_path!r} (a file or a directory with model.pt)"
+                    f"{model_path} holds a model of another shape ({config.to_json()}); "
+                    f"this engine serves {self.config.to_json()}"
                 )
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(state, dict):
-                raise EngineRequestError(f"{path} does not hold a state dict")
-            missing = sorted(set(expected_parameter_shapes(self.config)) - set(state))
-            if missing:
-                raise EngineRequestError(f"{path} lacks parameters: {', '.join(missing[:5])}")
-            self._apply_weights(state, weight_version, abort_all_requests)
+            self._apply_weights(tensors, weight_version, abort_all_requests)
             self._model_path = str(model_path)
             return f"Succeeded to update model weights from {model_path}."
 
@@ -441,22 +439,31 @@ class CpuEngine:
     def _apply_weights(
         self, state: dict[str, torch.Tensor], weight_version: str | None, abort_all_requests: bool
     ) -> None:
+        """Copy ``state`` (checkpoint names, any subset) into the model, all or nothing."""
         if "weights" in self._released:
             raise EngineRequestError("the weights are released; call /resume_memory_occupation first")
-        expected = expected_parameter_shapes(self.config)
-        problems = [
-            f"{name}: unknown parameter"
-            if name not in expected
-            else f"{name}: shape {list(tensor.shape)}, expected {list(expected[name])}"
-            for name, tensor in state.items()
-            if name not in expected or tuple(tensor.shape) != expected[name]
-        ]
+        try:
+            slices = hf_to_engine_slices(state, self.config)
+        except CheckpointError as error:
+            raise EngineRequestError(f"weights refused: {error}") from error
+        parameters = dict(self._model.named_parameters())
+        checkpoint_names = list(state)
+        problems = []
+        for checkpoint_name, part in zip(checkpoint_names, slices, strict=True):
+            target = parameters[part.name]
+            rows = target if part.start is None else target[part.start : part.stop]
+            expected = rows.shape
+            if tuple(part.tensor.shape) != tuple(expected):
+                problems.append(
+                    f"{checkpoint_name}: shape {list(part.tensor.shape)}, expected {list(expected)}"
+                )
         if problems:
             raise EngineRequestError("weights refused: " + "; ".join(problems[:5]))
-        parameters = dict(self._model.named_parameters())
         with torch.no_grad():
-            for name, tensor in state.items():
-                parameters[name].copy_(tensor.to(parameters[name].dtype))
+            for part in slices:
+                target = parameters[part.name]
+                rows = target if part.start is None else target[part.start : part.stop]
+                rows.copy_(part.tensor.to(target.dtype))
         with self._lock:
             if abort_all_requests:
                 for sequence in list(self._live.values()):

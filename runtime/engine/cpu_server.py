@@ -488,7 +488,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     parser.add_argument("--config", required=True, help="GPTConfig as JSON")
-    parser.add_argument("--model-path", default="", help="a torch.save'd state dict to start from")
+    parser.add_argument(
+        "--model-path",
+        default="",
+        help="a checkpoint directory (config.json + model.safetensors) to start from",
+    )
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--max-running-requests", type=int, default=8)
     parser.add_argument("--prefix-cache-tokens", type=int, default=2048)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import random
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +22,7 @@ import torch
 
 from runtime.engine.client import make_rid
 from runtime.engine.cpu_engine import EngineSettings
+from runtime.model.checkpoint import hf_to_engine, is_checkpoint, load_checkpoint, save_checkpoint
 from runtime.model.config import GPTConfig
 from runtime.model.megatron_gpt import build_gpt_model
 from runtime.model.sft import SFTConfig, supervised_warm_start
@@ -31,12 +30,12 @@ from runtime.model.weights import megatron_to_engine
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.trainer import TrainerConfig, training_device
 from runtime.task.arithmetic import Problem, TaskConfig, generate_problems, iter_problems
-from runtime.task.tokenizer import EOS_ID, PAD_ID, CharTokenizer
+from runtime.task.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 # The weight version the warm-start weights carry: the trainer's version before its first step.
 INITIAL_WEIGHT_VERSION = "0"
 # Bumped when warm_start_weights changes what it computes, so stale cache entries are not read.
-_WARM_START_CACHE_FORMAT = 1
+_WARM_START_CACHE_FORMAT = 2
 
 
 def _derived_seed(*parts: object) -> int:
@@ -306,19 +305,23 @@ def warm_start_cache_key(config: RLJobConfig) -> str:
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 
+def warm_start_checkpoint(config: RLJobConfig, cache_dir: Path) -> Path:
+    """Where the warm start's checkpoint (Hugging Face layout, see runtime/model/checkpoint.py)
+    lives under ``cache_dir``: a directory named by `warm_start_cache_key`."""
+    return Path(cache_dir) / f"warm-start-{warm_start_cache_key(config)}"
+
+
 def warm_start_weights(config: RLJobConfig, cache_dir: Path | None = None) -> dict[str, torch.Tensor]:
     """The supervised warm start's weights in the engine's names (on the CPU), from the job's seed.
 
-    With ``cache_dir`` the result is read from, or else written to, a file named by
-    `warm_start_cache_key`; it is written to a temporary file and renamed into place, so
-    concurrent jobs never read half a file.
+    With ``cache_dir`` the result is read from, or else written to, `warm_start_checkpoint`, a
+    checkpoint any engine (ours or SGLang) loads; it is written atomically, so concurrent jobs
+    never read half of one.
     """
-    path = None
-    if cache_dir is not None:
-        path = Path(cache_dir) / f"warm-start-{warm_start_cache_key(config)}.pt"
-        if path.is_file():
-            cached: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
-            return cached
+    path = warm_start_checkpoint(config, cache_dir) if cache_dir is not None else None
+    if path is not None and is_checkpoint(path):
+        _, tensors = load_checkpoint(path)
+        return hf_to_engine(tensors, config.model)
     model = build_gpt_model(config.model, seed=config.seed)
     if config.warm_start_steps:
         supervised_warm_start(model, CharTokenizer(), config.sft_config())
@@ -326,13 +329,7 @@ def warm_start_weights(config: RLJobConfig, cache_dir: Path | None = None) -> di
         name: tensor.cpu() for name, tensor in megatron_to_engine(model.state_dict(), config.model).items()
     }
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(handle, "wb") as file:
-                torch.save(weights, file)
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        save_checkpoint(
+            path, weights, config.model, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+        )
     return weights

@@ -26,6 +26,7 @@ from runtime.engine.weight_sync import (
     dtype_name,
     release_weight_update_group,
 )
+from runtime.model.checkpoint import engine_to_hf
 
 T = TypeVar("T")
 
@@ -72,12 +73,14 @@ class WeightPusher:
         self._wait(joins)
 
     def push(self, weights: Mapping[str, torch.Tensor], weight_version: str) -> None:
-        """Send ``weights`` (the engine's names) to every engine, which then reports
-        ``weight_version``. Returns once every engine has loaded them."""
-        names = list(weights)
+        """Send ``weights`` (the engine's names) to every engine under the checkpoint's names (the
+        ones SGLang's model loader takes, see runtime/model/checkpoint.py); each engine then
+        reports ``weight_version``. Returns once every engine has loaded them."""
+        named = engine_to_hf(weights)
+        names = list(named)
         # Over gloo the tensors travel from host memory; over NCCL they stay on the device.
         on_host = self.backend == "gloo"
-        tensors = [weights[name].detach().cpu() if on_host else weights[name].detach() for name in names]
+        tensors = [named[name].cpu() if on_host else named[name] for name in names]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         updates = self._on_every_engine(

@@ -13,7 +13,8 @@ devices); what needs the whole job (the trainer's ranks and world, the warm-star
 engines' addresses) is given later by the job's driver (``agents.backends.ray.driver``). Kinds:
 
 - ``rollout`` and ``inference``: ``EngineWorker``, an engine serving SGLang's HTTP protocol on a
-  free port of its node (here the CPU stand-in, ``runtime.engine``); an ``inference`` engine
+  free port of its node (real SGLang on a CUDA host that has it, else the CPU stand-in,
+  ``runtime.engine``); an ``inference`` engine
   scores responses under the frozen reference weights (input-token log-probs);
 - ``actor``: ``TrainerRankWorker``, one data-parallel rank of the trainer (``runtime.rl.trainer``);
   rank 0 hosts the TCP store its peers join, and the weight-update group of the engines;
@@ -27,10 +28,12 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import ray
@@ -42,11 +45,15 @@ from agents.backends.ray.connection import RayNode
 from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import CpuEngine, EngineSettings
 from runtime.engine.cpu_server import CpuEngineServer
+from runtime.engine.model import init_random_gpt
+from runtime.engine.sglang_server import SGLangServer, choose_engine
+from runtime.model.checkpoint import save_checkpoint
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import Trajectory
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
 from runtime.rl.weight_push import WeightPusher, weight_update_backend
 from runtime.task.arithmetic import Problem, score
+from runtime.task.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
 KEEP_OUR_DEVICES: Final = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
@@ -135,17 +142,49 @@ class _Usage:
 
 
 class EngineWorker:
-    """A rollout or inference engine: the CPU stand-in for an SGLang server, serving SGLang's
-    HTTP protocol on a free port of its node, reachable from the other nodes."""
+    """A rollout or inference engine serving SGLang's HTTP protocol on a free port of its node,
+    reachable from the other nodes: a real SGLang server where SGLang and CUDA are present (a
+    child process of this actor, which dies with it), else the CPU stand-in. ``requested`` is
+    the spec's ``runtime.engine``; `describe` says which engine runs and why."""
 
-    def __init__(self, config_json: str, settings: Mapping[str, Any]) -> None:
+    def __init__(self, config_json: str, settings: Mapping[str, Any], requested: str = "auto") -> None:
         torch.set_num_threads(1)
-        self._engine = CpuEngine(GPTConfig.from_json(config_json), EngineSettings(**settings))
-        self._server = CpuEngineServer(self._engine, host=node_ip())
-        self._url = self._server.start()
+        config = GPTConfig.from_json(config_json)
+        engine_settings = EngineSettings(**settings)
+        self._kind, self._note = choose_engine(requested)
+        self._engine: CpuEngine | None = None
+        self._sglang: SGLangServer | None = None
+        if self._kind == "sglang":
+            # SGLang starts from a checkpoint: the seeded random model the CPU engine would start
+            # with; the job's driver then loads the warm start through /update_weights_from_disk.
+            start = Path(tempfile.mkdtemp(prefix="dynarl-engine-start-")) / "model"
+            save_checkpoint(
+                start,
+                init_random_gpt(config, seed=engine_settings.seed).state_dict(),
+                config,
+                bos_token_id=BOS_ID,
+                eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID,
+            )
+            self._sglang = SGLangServer(
+                start,
+                host=node_ip(),
+                port=free_port(),
+                max_running_requests=engine_settings.max_running_requests,
+                weight_version=engine_settings.weight_version,
+                seed=engine_settings.seed,
+            )
+            self._url = self._sglang.start()
+        else:
+            self._engine = CpuEngine(config, engine_settings)
+            self._url = CpuEngineServer(self._engine, host=node_ip()).start()
 
     def url(self) -> str:
         return self._url
+
+    def describe(self) -> dict[str, str]:
+        """Which engine serves (``sglang`` or ``cpu``) and, for the stand-in, why."""
+        return {"engine": self._kind, "note": self._note, "url": self._url}
 
     def visible_devices(self) -> str:
         return os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -154,6 +193,10 @@ class EngineWorker:
         return str(ray.get_runtime_context().get_node_id())
 
     def usage(self) -> WorkerUsage:
+        if self._sglang is not None:
+            tokens, requests = self._sglang.counters()
+            return WorkerUsage(tokens=tokens, items=requests, cpu_s=process_cpu_seconds())
+        assert self._engine is not None
         state = self._engine.state()
         return WorkerUsage(
             tokens=int(state["generated_tokens"]),

@@ -141,22 +141,30 @@ class RayBackend:
         for entry in workers:
             name = str(entry.get("worker", ""))
             try:
-                handles[name] = self._start(entry, config)
+                handles[name] = self._start(entry, config, spec)
             except (StepFailed, ValueError, KeyError, TypeError) as exc:
                 outcomes[name] = {"ok": False, "error": str(exc)}
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        engines: dict[str, dict[str, str]] = {}
+        kinds = {str(w.get("worker")): str(w.get("kind")) for w in workers}
         for name, handle in handles.items():
             try:
                 ray.get(handle.usage.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                if kinds.get(name) in ENGINE_KINDS:
+                    engines[name] = ray.get(handle.describe.remote(), timeout=CALL_TIMEOUT_S)
             except (RayActorError, GetTimeoutError) as exc:
                 outcomes[name] = {"ok": False, "error": f"worker {name} did not start: {exc}"}
                 continue
             outcomes[name] = {"ok": True, "error": ""}
             with self._lock:
                 self._payloads[name] = dict(next(w for w in workers if w.get("worker") == name))
-        return {"ok": all(o["ok"] for o in outcomes.values()), "workers": outcomes}
+        for name, engine in engines.items():
+            if engine.get("note"):
+                log.warning("worker %s: %s", name, engine["note"])
+        # Kept with the launch command's record: which engine each rollout/inference worker runs.
+        return {"ok": all(o["ok"] for o in outcomes.values()), "workers": outcomes, "engines": engines}
 
-    def _start(self, entry: Mapping[str, Any], config: RLJobConfig) -> Any:
+    def _start(self, entry: Mapping[str, Any], config: RLJobConfig, spec: Mapping[str, Any]) -> Any:
         name = str(entry["worker"])
         kind = str(entry["kind"])
         if kind not in SUPPORTED_KINDS:
@@ -170,7 +178,13 @@ class RayBackend:
         if kind in ENGINE_KINDS:
             settings = job_driver.engine_settings(config)
             return start_worker_actor(
-                self.node, name, devices, EngineWorker, config.model.to_json(), settings
+                self.node,
+                name,
+                devices,
+                EngineWorker,
+                config.model.to_json(),
+                settings,
+                job_driver.requested_engine(spec),
             )
         if kind == "actor":
             return start_worker_actor(self.node, name, devices, TrainerRankWorker, config.trainer_config())

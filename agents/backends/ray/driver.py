@@ -45,7 +45,7 @@ from agents.backends.ray.connection import RayNode
 from runtime.engine.client import EngineClient, EngineError
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig, Trajectory
-from runtime.rl.job import INITIAL_WEIGHT_VERSION, RLJobConfig, warm_start_cache_key, warm_start_weights
+from runtime.rl.job import INITIAL_WEIGHT_VERSION, RLJobConfig, warm_start_checkpoint, warm_start_weights
 from runtime.rl.loop import EngineReference, IterationReport, run_iteration
 from runtime.rl.trainer import TrainStepMetrics
 from runtime.task.arithmetic import Problem, TaskConfig
@@ -102,6 +102,12 @@ def rl_config(spec: Mapping[str, Any]) -> RLJobConfig:
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"the spec's runtime section is incomplete: {exc}") from exc
+
+
+def requested_engine(spec: Mapping[str, Any]) -> str:
+    """The spec's ``runtime.engine`` (``auto`` for specs stored before it existed)."""
+    runtime = spec.get("runtime")
+    return str(runtime.get("engine", "auto")) if isinstance(runtime, Mapping) else "auto"
 
 
 def engine_settings(config: RLJobConfig) -> dict[str, Any]:
@@ -421,7 +427,7 @@ class JobDriver:
             )
         )
         weights = warm_start_weights(self.config, self.checkpoint_dir)
-        checkpoint = self.checkpoint_dir / f"warm-start-{warm_start_cache_key(self.config)}.pt"
+        checkpoint = warm_start_checkpoint(self.config, self.checkpoint_dir)
         clients = {name: EngineClient(url) for name, url in urls.items()}
         for name, client in clients.items():
             result = client.update_weights_from_disk(str(checkpoint), weight_version=INITIAL_WEIGHT_VERSION)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from collections.abc import Callable
@@ -10,18 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from runtime.engine.client import EngineError, WeightUpdateResult
+from runtime.engine.model import init_random_gpt
 from runtime.engine.weight_sync import broadcast_from_trainer, create_weight_update_group, dtype_name
-from tests.runtime.engine.conftest import WAIT_S, Served, greedy_reference, make_model
+from runtime.model.checkpoint import WEIGHTS_FILE, engine_to_hf, save_checkpoint
+from tests.runtime.engine.conftest import TINY, WAIT_S, Served, greedy_reference, make_model
 
 PROMPT = [4, 8, 15, 16, 23, 4, 2]
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0}
 
 
 def save_weights(path: Path, seed: int) -> Path:
-    torch.save(make_model(seed).state_dict(), path)
-    return path
+    """A checkpoint in the layout SGLang loads (config.json + model.safetensors)."""
+    return save_checkpoint(
+        path, make_model(seed).state_dict(), TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
 
 
 def test_update_from_disk_reports_the_new_version_and_changes_the_outputs(
@@ -30,9 +36,7 @@ def test_update_from_disk_reports_the_new_version_and_changes_the_outputs(
     served = serve()
     before = served.client.generate(PROMPT, GREEDY)
     assert before.output_ids == greedy_reference(make_model(0), PROMPT, 10)[0]
-    result = served.client.update_weights_from_disk(
-        str(save_weights(tmp_path / "step1.pt", seed=1)), "step-1"
-    )
+    result = served.client.update_weights_from_disk(str(save_weights(tmp_path / "step1", seed=1)), "step-1")
     assert result.success and "step-1" in result.message
     assert served.client.weight_version() == "step-1"
     after = served.client.generate(PROMPT, GREEDY)
@@ -46,13 +50,25 @@ def test_a_refused_weight_update_names_the_route_and_keeps_the_weights(
     serve: Callable[..., Served], tmp_path: Path
 ) -> None:
     served = serve()
-    with pytest.raises(EngineError, match=r"/update_weights_from_disk: HTTP 400: no weights at"):
-        served.client.update_weights_from_disk(str(tmp_path / "missing.pt"), "never")
-    wrong = make_model(1).state_dict()
-    wrong["lm_head.weight"] = torch.zeros(3, 3)
-    torch.save(wrong, tmp_path / "wrong.pt")
+    with pytest.raises(EngineError, match=r"/update_weights_from_disk: HTTP 400: no checkpoint at"):
+        served.client.update_weights_from_disk(str(tmp_path / "missing"), "never")
+    wrong = save_weights(tmp_path / "wrong", seed=1)
+    tensors = load_file(str(wrong / WEIGHTS_FILE))
+    tensors["lm_head.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(wrong / WEIGHTS_FILE))
     with pytest.raises(EngineError, match=r"lm_head.weight: shape \[3, 3\]"):
-        served.client.update_weights_from_disk(str(tmp_path / "wrong.pt"), "never")
+        served.client.update_weights_from_disk(str(wrong), "never")
+    other_shape = dataclasses.replace(TINY, max_positions=64)
+    bigger = save_checkpoint(
+        tmp_path / "other",
+        init_random_gpt(other_shape, seed=1).state_dict(),
+        other_shape,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with pytest.raises(EngineError, match=r"holds a model of another shape"):
+        served.client.update_weights_from_disk(str(bigger), "never")
     assert served.client.weight_version() == "default"
     assert served.client.generate(PROMPT, GREEDY).output_ids == greedy_reference(make_model(0), PROMPT, 10)[0]
 
@@ -62,7 +78,7 @@ def test_tokens_record_the_weight_version_they_were_generated_under(
 ) -> None:
     served = serve()
     served.client.slow_down(0.01)
-    weights = save_weights(tmp_path / "step2.pt", seed=2)
+    weights = save_weights(tmp_path / "step2", seed=2)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(
             served.client.generate, PROMPT, {"max_new_tokens": 30, "temperature": 0.0}, "spans."
@@ -102,7 +118,8 @@ def test_update_from_a_gloo_group_where_this_process_is_the_trainer(serve: Calla
     engine_side.join(WAIT_S)
     assert joined and joined[0].success
 
-    new_weights = make_model(3).state_dict()
+    # The names on the wire are the checkpoint's, as for SGLang.
+    new_weights = engine_to_hf(make_model(3).state_dict())
     names = list(new_weights)
     with ThreadPoolExecutor(1) as pool:
         update = pool.submit(

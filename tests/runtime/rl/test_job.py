@@ -169,7 +169,8 @@ def test_sample_rids_are_unique_and_never_a_prefix_of_one_another() -> None:
 def test_the_warm_start_is_cached_by_its_inputs_and_written_whole(tmp_path: Path) -> None:
     weights = warm_start_weights(CONFIG, cache_dir=tmp_path)
     files = list(tmp_path.iterdir())
-    assert [f.name for f in files] == [f"warm-start-{warm_start_cache_key(CONFIG)}.pt"]
+    assert [f.name for f in files] == [f"warm-start-{warm_start_cache_key(CONFIG)}"]
+    assert sorted(p.name for p in files[0].iterdir()) == ["config.json", "model.safetensors"]
     # A second call reads the file: equal tensors, no new file, no temporary left behind.
     again = warm_start_weights(CONFIG, cache_dir=tmp_path)
     assert again.keys() == weights.keys()
