@@ -79,6 +79,15 @@ class Device(models.Model):
     )
     utilisation = models.FloatField(default=0.0, help_text="latest reported, 0..1")
     memory_used_gb = models.FloatField(default=0.0)
+    reading_source = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        help_text=(
+            "what measured the latest reading: nvml (the GPU driver), process_cpu (the CPU share of "
+            "the worker processes holding the device, on a host without NVML) or simulated"
+        ),
+    )
     reported_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -401,6 +401,11 @@ class TelemetryPointSerializer(serializers.Serializer):
     tokens_per_s = serializers.FloatField(help_text="the group's tokens in the bucket per second")
     queue_length = serializers.IntegerField()
     in_flight = serializers.IntegerField()
+    waiting_mean = serializers.FloatField(
+        allow_null=True,
+        help_text="mean share of the bucket the group's workers sat idle waiting for input (trainer "
+        "ranks waiting for data), 0..1; null where not measured",
+    )
 
 
 class GroupSeriesSerializer(serializers.Serializer):

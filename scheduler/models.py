@@ -284,6 +284,12 @@ class TelemetrySample(models.Model):
     tokens = models.BigIntegerField(default=0)
     queue_length = models.PositiveIntegerField(default=0)
     in_flight = models.PositiveIntegerField(default=0)
+    waiting_mean = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="mean share of the bucket the worker sat idle waiting for input (a trainer rank "
+        "waiting for data), 0..1; null where its backend does not measure it",
+    )
 
     class Meta:
         ordering = ["-bucket_start"]

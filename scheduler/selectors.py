@@ -211,6 +211,7 @@ class TelemetryPoint:
     tokens_per_s: float
     queue_length: int
     in_flight: int
+    waiting_mean: float | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ def job_telemetry(
             tokens=Sum("tokens"),
             queue_length=Sum("queue_length"),
             in_flight=Sum("in_flight"),
+            waiting_mean=Avg("waiting_mean"),
         )
         .order_by("group", "bucket_start")
     )
@@ -265,6 +267,7 @@ def job_telemetry(
                 tokens_per_s=float(row["tokens"] or 0) / max(span, 1e-3),
                 queue_length=int(row["queue_length"] or 0),
                 in_flight=int(row["in_flight"] or 0),
+                waiting_mean=None if row["waiting_mean"] is None else float(row["waiting_mean"]),
             )
         )
     return TelemetryHistory(

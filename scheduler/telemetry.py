@@ -53,6 +53,8 @@ REPORTING_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING, WorkerStat
 PRUNE_BATCH_ROWS = 10_000
 # A time-sharing (colocated) worker's part in its turn-taking, as its samples may say (informational).
 WORKER_TURNS = ("active", "onloading", "offloaded")
+# What measured a device reading (devices[].source); absent from older agents.
+DEVICE_SOURCES = ("nvml", "process_cpu", "simulated")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class DeviceReading:
     index: int
     utilisation: float
     memory_used_gb: float
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class WorkerReading:
     in_flight: int
     tokens: int
     progress: float | None
+    waiting: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,11 @@ def parse_heartbeat(payload: Any, now: float) -> Heartbeat:
         if index in seen_indices:
             errors.append(FieldError(f"{path}.index", f"device {index} is listed twice"))
         seen_indices.add(index)
+        source = item.get("source", "")
+        if source != "" and source not in DEVICE_SOURCES:
+            errors.append(
+                FieldError(f"{path}.source", f"must be one of {', '.join(DEVICE_SOURCES)} or absent")
+            )
         devices.append(
             DeviceReading(
                 index=index,
@@ -178,6 +187,7 @@ def parse_heartbeat(payload: Any, now: float) -> Heartbeat:
                 memory_used_gb=_number(
                     item.get("memory_used_gb", 0.0), f"{path}.memory_used_gb", errors, low=0.0
                 ),
+                source=str(source),
             )
         )
     workers: list[WorkerReading] = []
@@ -194,6 +204,7 @@ def parse_heartbeat(payload: Any, now: float) -> Heartbeat:
         if at > sent_at + 1.0:
             errors.append(FieldError(f"{path}.at", "is later than the heartbeat's sent_at"))
         progress = item.get("progress")
+        waiting = item.get("waiting")
         turn = item.get("turn")
         if turn is not None and turn not in WORKER_TURNS:
             errors.append(FieldError(f"{path}.turn", f"must be one of {', '.join(WORKER_TURNS)} or absent"))
@@ -210,6 +221,9 @@ def parse_heartbeat(payload: Any, now: float) -> Heartbeat:
                 progress=None
                 if progress is None
                 else _number(progress, f"{path}.progress", errors, low=0.0, high=1.0),
+                waiting=None
+                if waiting is None
+                else _number(waiting, f"{path}.waiting", errors, low=0.0, high=1.0),
             )
         )
     if errors:
@@ -340,9 +354,18 @@ class _Bucket:
     last_at: float = -math.inf
     queue_length: int = 0
     in_flight: int = 0
+    waiting_sum: float = 0.0
+    waiting_samples: int = 0
+
+    @property
+    def waiting_mean(self) -> float | None:
+        return self.waiting_sum / self.waiting_samples if self.waiting_samples else None
 
     def add(self, sample: WorkerReading) -> None:
         self.samples += 1
+        if sample.waiting is not None:
+            self.waiting_sum += sample.waiting
+            self.waiting_samples += 1
         self.utilisation_sum += sample.utilisation
         self.utilisation_min = min(self.utilisation_min, sample.utilisation)
         self.tokens += sample.tokens
@@ -374,7 +397,7 @@ def _ingest_sql() -> str:
     )
     return f"""
 WITH device_in AS (
-    SELECT * FROM json_to_recordset(%(devices)s::json) AS v(i integer, u double precision, m double precision)
+    SELECT * FROM json_to_recordset(%(devices)s::json) AS v(i integer, u double precision, m double precision, s text)
 ), devices_known AS (
     SELECT d.id, d.index FROM {device} d WHERE d.node_id = %(node)s AND d.index IN (SELECT i FROM device_in)
 ), device_rows AS (
@@ -383,7 +406,8 @@ WITH device_in AS (
     -- a lock cycle with those transactions. The same goes for the workers below.
     SELECT d.id FROM {device} d WHERE d.id IN (SELECT id FROM devices_known) FOR NO KEY UPDATE SKIP LOCKED
 ), devices_updated AS (
-    UPDATE {device} AS d SET utilisation = v.u, memory_used_gb = v.m, reported_at = %(reported_at)s
+    UPDATE {device} AS d SET utilisation = v.u, memory_used_gb = v.m, reading_source = v.s,
+        reported_at = %(reported_at)s
     FROM device_in v WHERE d.node_id = %(node)s AND d.index = v.i AND d.id IN (SELECT id FROM device_rows)
 ), known AS (
     -- workers that run on this node: they own, or share, one of its devices
@@ -403,16 +427,23 @@ WITH device_in AS (
 ), bucket_in AS (
     SELECT * FROM json_to_recordset(%(buckets)s::json) AS v(
         worker text, start double precision, n integer, mean double precision, low double precision,
-        tokens bigint, q integer, f integer)
+        tokens bigint, q integer, f integer, w double precision)
 ), history AS (
     INSERT INTO {sample} AS t (job_id, "group", worker, node_id, bucket_start, samples, utilisation_mean,
-                               utilisation_min, tokens, queue_length, in_flight)
-    SELECT k.job_id, k.grp, b.worker, %(node)s, to_timestamp(b.start), b.n, b.mean, b.low, b.tokens, b.q, b.f
+                               utilisation_min, tokens, queue_length, in_flight, waiting_mean)
+    SELECT k.job_id, k.grp, b.worker, %(node)s, to_timestamp(b.start), b.n, b.mean, b.low, b.tokens, b.q, b.f,
+           b.w
     FROM bucket_in b JOIN known k ON k.name = b.worker
     ON CONFLICT (worker, bucket_start) DO UPDATE SET
         utilisation_mean = (t.utilisation_mean * t.samples + EXCLUDED.utilisation_mean * EXCLUDED.samples)
                            / (t.samples + EXCLUDED.samples),
         utilisation_min = LEAST(t.utilisation_min, EXCLUDED.utilisation_min),
+        waiting_mean = CASE
+            WHEN t.waiting_mean IS NULL THEN EXCLUDED.waiting_mean
+            WHEN EXCLUDED.waiting_mean IS NULL THEN t.waiting_mean
+            ELSE (t.waiting_mean * t.samples + EXCLUDED.waiting_mean * EXCLUDED.samples)
+                 / (t.samples + EXCLUDED.samples)
+        END,
         samples = t.samples + EXCLUDED.samples,
         tokens = t.tokens + EXCLUDED.tokens,
         queue_length = EXCLUDED.queue_length,
@@ -444,7 +475,9 @@ def _write(
     params: dict[str, Any] = {
         "node": node.pk,
         "reported_at": datetime.fromtimestamp(now, tz=UTC),
-        "devices": _json([{"i": d.index, "u": d.utilisation, "m": d.memory_used_gb} for d in beat.devices]),
+        "devices": _json(
+            [{"i": d.index, "u": d.utilisation, "m": d.memory_used_gb, "s": d.source} for d in beat.devices]
+        ),
         "names": _json(sorted(latest)),
         "states": [str(state) for state in REPORTING_WORKER_STATES],
         "latest": _json([{"worker": name, "u": s.utilisation} for name, s in latest.items()]),
@@ -459,6 +492,7 @@ def _write(
                     "tokens": b.tokens,
                     "q": b.queue_length,
                     "f": b.in_flight,
+                    "w": b.waiting_mean,
                 }
                 for (name, start), b in buckets.items()
             ]

@@ -45,9 +45,18 @@ class DeviceReading:
     index: int
     utilisation: float  # 0..1
     memory_used_gb: float
+    # What measured it (the heartbeat's devices[].source): "simulated", or "process_cpu" for the CPU
+    # share of the worker processes holding the device (a host without NVML; the agent's own NVML
+    # readings, "nvml", replace a backend's where present).
+    source: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "utilisation": self.utilisation, "memory_used_gb": self.memory_used_gb}
+        return {
+            "index": self.index,
+            "utilisation": self.utilisation,
+            "memory_used_gb": self.memory_used_gb,
+            "source": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,9 @@ class WorkerReading:
     progress: float | None = None
     # Only for a worker time-sharing its devices (colocated): "active", "onloading" or "offloaded".
     turn: str | None = None
+    # The share of the time since the previous sample it sat idle waiting for input (a trainer
+    # rank waiting for the next batch); None where the backend does not measure it.
+    waiting: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -77,6 +89,8 @@ class WorkerReading:
             data["progress"] = self.progress
         if self.turn is not None:
             data["turn"] = self.turn
+        if self.waiting is not None:
+            data["waiting"] = self.waiting
         return data
 
 

@@ -42,7 +42,12 @@ def _unit(value: float) -> float:
 def sample_json(reading: WorkerReading) -> dict[str, Any] | None:
     """A worker reading as the protocol wants it, clamped into range; None when it is unusable.
     One bad reading from a backend must not get the whole heartbeat refused."""
-    numbers = (reading.at, reading.utilisation, *(() if reading.progress is None else (reading.progress,)))
+    numbers = (
+        reading.at,
+        reading.utilisation,
+        *(() if reading.progress is None else (reading.progress,)),
+        *(() if reading.waiting is None else (reading.waiting,)),
+    )
     if not reading.worker or not all(math.isfinite(n) for n in numbers):
         return None
     data = reading.to_json()
@@ -51,6 +56,8 @@ def sample_json(reading: WorkerReading) -> dict[str, Any] | None:
         data[key] = max(0, int(data[key]))
     if reading.progress is not None:
         data["progress"] = _unit(reading.progress)
+    if reading.waiting is not None:
+        data["waiting"] = _unit(reading.waiting)
     return data
 
 

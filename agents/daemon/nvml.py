@@ -118,6 +118,7 @@ def device_readings(
                     "index": index,
                     "utilisation": driver.utilisation,
                     "memory_used_gb": round(driver.memory_used_gb, 3),
+                    "source": "nvml",
                     "processes": [p.to_json() for p in driver.processes],
                 }
             )

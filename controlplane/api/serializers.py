@@ -186,6 +186,7 @@ class DeviceSerializer(serializers.ModelSerializer):
             "status",
             "reserved_by",
             "utilisation",
+            "reading_source",
             "reported_at",
             "last_heartbeat_at",
             "job",

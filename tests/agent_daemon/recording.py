@@ -100,7 +100,10 @@ class RecordingBackend:
             names = sorted(self._workers)
         self._record("telemetry", workers=names)
         return Telemetry(
-            devices=[DeviceReading(index=i, utilisation=0.0, memory_used_gb=0.0) for i in range(self.gpus)],
+            devices=[
+                DeviceReading(index=i, utilisation=0.0, memory_used_gb=0.0, source="simulated")
+                for i in range(self.gpus)
+            ],
             workers=[WorkerReading(worker=name, at=now, utilisation=0.0) for name in names],
         )
 

@@ -50,17 +50,22 @@ def test_out_of_range_readings_are_clamped_or_dropped() -> None:
 
 
 def test_nvml_readings_override_the_backends() -> None:
-    backend = [DeviceReading(0, 0.2, 3.0), DeviceReading(1, 0.4, 5.0), DeviceReading(7, 0.9, 1.0)]
+    backend = [
+        DeviceReading(0, 0.2, 3.0, "process_cpu"),
+        DeviceReading(1, 0.4, 5.0, "process_cpu"),
+        DeviceReading(7, 0.9, 1.0, "process_cpu"),
+    ]
     driver = {
         1: NvmlReading(index=1, utilisation=0.95, memory_used_gb=70.0, processes=(GpuProcess(4242, 69.5),))
     }
     devices = device_readings([0, 1, 2], backend, driver)
     assert devices == [
-        {"index": 0, "utilisation": 0.2, "memory_used_gb": 3.0},
+        {"index": 0, "utilisation": 0.2, "memory_used_gb": 3.0, "source": "process_cpu"},
         {
             "index": 1,
             "utilisation": 0.95,
             "memory_used_gb": 70.0,
+            "source": "nvml",
             "processes": [{"pid": 4242, "memory_used_gb": 69.5}],
         },
     ]  # device 2 read by neither, device 7 not registered: left out

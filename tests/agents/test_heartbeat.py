@@ -58,7 +58,10 @@ def test_heartbeat_updates_rows_window_and_history(
         bodies.append(
             {
                 "sent_at": start + second + skew,
-                "devices": [{"index": i, "utilisation": util, "memory_used_gb": 40.0 + i} for i in range(4)],
+                "devices": [
+                    {"index": i, "utilisation": util, "memory_used_gb": 40.0 + i, "source": "nvml"}
+                    for i in range(4)
+                ],
                 "workers": [
                     {
                         "worker": name,
@@ -69,6 +72,7 @@ def test_heartbeat_updates_rows_window_and_history(
                         "in_flight": 7,
                         "tokens": tokens,
                         "progress": 0.25 * (second + 1),
+                        "waiting": 0.2 * (second + 1),
                     }
                     for name in rollout
                 ],
@@ -82,6 +86,7 @@ def test_heartbeat_updates_rows_window_and_history(
     devices = {d.index: d for d in Device.objects.all()}
     assert [devices[i].utilisation for i in range(4)] == [0.5] * 4
     assert [devices[i].memory_used_gb for i in range(4)] == [40.0, 41.0, 42.0, 43.0]
+    assert {devices[i].reading_source for i in range(4)} == {"nvml"}
     assert devices[0].reported_at == datetime.fromtimestamp(start + 1, tz=UTC)
     assert set(Worker.objects.filter(name__in=rollout).values_list("utilisation", flat=True)) == {0.5}
     assert set(Worker.objects.filter(group__name="actor").values_list("utilisation", flat=True)) == {0.0}
@@ -94,6 +99,7 @@ def test_heartbeat_updates_rows_window_and_history(
         assert row.samples == 2 and row.tokens == 400
         assert row.utilisation_mean == pytest.approx(0.7) and row.utilisation_min == 0.5
         assert (row.queue_length, row.in_flight) == (4, 7)
+        assert row.waiting_mean == pytest.approx(0.3)
 
     window = telemetry.recent_samples(job.pk, start - 5)
     assert sorted((s.worker_id, s.at, s.utilisation, s.tokens) for s in window) == sorted(
@@ -164,11 +170,11 @@ def test_malformed_heartbeat_names_fields_and_writes_nothing(running: tuple[Agen
         "sent_at": now,
         "devices": [
             {"index": 0, "utilisation": 0.5},
-            {"index": 1, "utilisation": 1.5},
+            {"index": 1, "utilisation": 1.5, "source": "guesswork"},
             {"index": 0, "utilisation": 0.1},
         ],
         "workers": [
-            {"worker": name, "utilisation": 0.5, "tokens": -1, "turn": "napping"},
+            {"worker": name, "utilisation": 0.5, "tokens": -1, "turn": "napping", "waiting": 1.5},
             {"worker": "", "utilisation": "high", "at": now + 100, "progress": 2},
         ],
     }
@@ -178,9 +184,11 @@ def test_malformed_heartbeat_names_fields_and_writes_nothing(running: tuple[Agen
     assert error["code"] == "invalid"
     assert {f["path"] for f in error["fields"]} == {
         "devices[1].utilisation",
+        "devices[1].source",
         "devices[2].index",
         "workers[0].tokens",
         "workers[0].turn",
+        "workers[0].waiting",
         "workers[1].worker",
         "workers[1].utilisation",
         "workers[1].at",

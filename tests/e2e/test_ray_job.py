@@ -65,6 +65,23 @@ def test_a_real_job_learns_and_succeeds(
     rewards = [r["mean_reward"] for r in results]
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.15, rewards
 
+    # Its signals are measured: the trainer's ranks waited for data while the rollout ran (the
+    # share of each bucket they sat idle), and the devices' readings say what measured them.
+    status, history = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/telemetry/")
+    assert status == 200, history
+    series = {g["kind"]: g["points"] for g in history["groups"]}
+    trainer_waits = [p["waiting_mean"] for p in series["actor"] if p["waiting_mean"] is not None]
+    assert trainer_waits and max(trainer_waits) > 0.0, series["actor"]
+    assert all(p["waiting_mean"] is None for p in series["rollout"])  # engines do not wait: they queue
+    status, devices = live_stack.api("GET", "/api/v1/devices/?page_size=100")
+    assert status == 200, devices
+    sources = {
+        d["reading_source"]
+        for d in devices["results"]
+        if d["node"] in ray_cluster.nodes and d["reported_at"] is not None
+    }
+    assert sources == {"process_cpu"}, sources  # no NVML here: the CPU share, labelled as such
+
     wait_released(live_stack, job)
     assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
 

@@ -61,12 +61,13 @@ def test_the_runtime_section_is_read_and_stored() -> None:
         "kl_coef": 0.0,
         "micro_batch_size": 4,
         "warm_start_steps": 30,
+        "engine": "cpu",
     }
     spec = parse_spec(_ray_job(runtime=runtime))
     assert spec.runtime is not None
     assert spec.runtime.model == RuntimeModelSpec(32, 1, 2, 64, 128)
     assert (spec.runtime.max_digits, spec.runtime.seed, spec.runtime.warm_start_steps) == (3, 5, 30)
-    assert spec.runtime.dataset_size == 16
+    assert spec.runtime.dataset_size == 16 and spec.runtime.engine == "cpu"
     assert spec.to_json()["runtime"] == runtime
 
 
@@ -92,6 +93,7 @@ def test_a_sim_job_has_no_runtime() -> None:
         ({"micro_batch_size": 0}, "runtime.micro_batch_size", "must be at least 1"),
         ({"dataset_size": 0}, "runtime.dataset_size", "must be at least 1"),
         ({"optimizer": "sgd"}, "runtime.optimizer", "unknown key"),
+        ({"engine": "vllm"}, "runtime.engine", "must be one of auto, sglang, cpu"),
         ({"kl_coef": 0.1}, "runtime.kl_coef", "a KL penalty needs an inference component"),
     ],
 )

@@ -23,7 +23,7 @@ from tests.ray_cluster import NAMESPACE, LocalRayCluster
 ITERATIONS = 3
 
 
-def tiny_spec(name: str) -> dict[str, Any]:
+def tiny_spec(name: str, engine: str = "auto") -> dict[str, Any]:
     return parse_spec(
         {
             "name": name,
@@ -46,6 +46,7 @@ def tiny_spec(name: str) -> dict[str, Any]:
                 "task": {"max_digits": 2},
                 "warm_start_steps": 10,
                 "micro_batch_size": 4,
+                "engine": engine,
             },
             "components": [
                 {"name": "rollout", "kind": "rollout", "workers": 2},
@@ -164,17 +165,24 @@ def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[
     assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
 
 
-def test_a_worker_that_dies_fails_the_job_with_a_readable_reason(agents: dict[str, RayBackend]) -> None:
-    job = 32
+@pytest.mark.parametrize(("job", "group"), [(32, "rollout"), (36, "actor")])
+def test_a_worker_that_dies_fails_the_job_with_a_readable_reason(
+    agents: dict[str, RayBackend], job: int, group: str
+) -> None:
+    """An engine, or a trainer rank: the agent of its node reports the job failed, naming it."""
     launch(agents, job)
     agents["node-b"].telemetry()  # a first reading of each worker
-    ray.kill(ray.get_actor(agents["node-b"].actor_of(f"j{job}-rollout-w1")), no_restart=True)
+    ray.kill(ray.get_actor(agents["node-b"].actor_of(f"j{job}-{group}-w1")), no_restart=True)
     for backend in agents.values():
         backend.observe_control(picture(job, 0))
     on_b = entry_until(agents["node-b"], job, lambda e: "failure" in e)
-    assert on_b["failure"] == f"worker j{job}-rollout-w1 on node-b died (its Ray actor is gone)"
-    on_a = entry_until(agents["node-a"], job, lambda e: "failure" in e)
-    assert f"worker j{job}-rollout-w1" in on_a["failure"]  # the driver names the worker too
+    assert on_b["failure"] == f"worker j{job}-{group}-w1 on node-b died (its Ray actor is gone)"
+    if group == "rollout":
+        # The driver's loop fails on the engine's calls and names the worker too. (A trainer
+        # rank's peer may instead wait in a collective until the control plane, told by node-b,
+        # stops the job's workers, as below.)
+        on_a = entry_until(agents["node-a"], job, lambda e: "failure" in e)
+        assert f"worker j{job}-rollout-w1" in on_a["failure"]
     for node, workers in layout(job).items():
         agents[node].stop_workers(job, [w["worker"] for w in workers])
     assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
@@ -194,3 +202,25 @@ def test_after_its_agent_comes_back_a_starting_worker_is_not_lost_but_a_running_
     backend.reconcile([running], {"42": tiny_spec("job-42")})
     [entry] = [e for e in backend.telemetry().jobs if e["job"] == 42] or [{"failure": None}]
     assert entry.get("failure") == "worker j42-actor-w1 on node-b was gone when its agent came back"
+
+
+def test_the_launch_record_says_which_engine_serves_and_a_job_insisting_on_sglang_is_refused(
+    agents: dict[str, RayBackend],
+) -> None:
+    job = 34
+    workers = layout(job)["node-b"][:1]
+    outcome = agents["node-b"].launch_workers({"job": job, "spec": tiny_spec(f"job-{job}")}, workers)
+    assert outcome["ok"], outcome
+    (described,) = outcome["engines"].values()
+    # No SGLang and no CUDA here: the stand-in serves, and the record says why.
+    assert described["engine"] == "cpu" and described["note"].startswith("CPU stand-in for SGLang: ")
+    agents["node-b"].stop_workers(job, [w["worker"] for w in workers])
+
+    job = 35
+    workers = layout(job)["node-b"][:1]
+    outcome = agents["node-b"].launch_workers(
+        {"job": job, "spec": tiny_spec(f"job-{job}", "sglang")}, workers
+    )
+    assert not outcome["ok"]
+    error = outcome["workers"][workers[0]["worker"]]["error"]
+    assert "did not start" in error and "the job asks for SGLang engines, but" in error, error

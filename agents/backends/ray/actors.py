@@ -93,7 +93,7 @@ class WorkerUsage:
     """What a worker did since it started; the agent reports differences between two readings."""
 
     busy_s: float = 0.0  # seconds spent working (a trainer step, scoring)
-    waiting_s: float = 0.0  # a trainer's seconds between steps, waiting for data
+    waiting_s: float = 0.0  # seconds between calls, after the first: waiting for input (data to train on)
     tokens: int = 0  # generated (engines) or trained on (trainer ranks)
     items: int = 0  # requests finished, responses scored, steps taken
     cpu_s: float = 0.0  # the worker process's CPU time (user + system)
@@ -120,6 +120,7 @@ class _Usage:
         with self._lock:
             if self._idle_since is not None:
                 self._waiting_s += now - self._idle_since
+            self._idle_since = None
         return now
 
     def end(self, started: float, *, tokens: int = 0, items: int = 1) -> None:
@@ -132,9 +133,11 @@ class _Usage:
 
     def reading(self) -> WorkerUsage:
         with self._lock:
+            # A wait still going on counts up to now, so a long wait shows while it lasts.
+            ongoing = 0.0 if self._idle_since is None else time.monotonic() - self._idle_since
             return WorkerUsage(
                 busy_s=self._busy_s,
-                waiting_s=self._waiting_s,
+                waiting_s=self._waiting_s + ongoing,
                 tokens=self._tokens,
                 items=self._items,
                 cpu_s=process_cpu_seconds(),

@@ -250,7 +250,7 @@ class RayBackend:
         # Without NVML (which the agent reads itself where present) a device's reading is the CPU
         # share of the worker processes holding it: on a CPU host that is where their work runs.
         devices = [
-            DeviceReading(index=index, utilisation=min(1.0, share), memory_used_gb=0.0)
+            DeviceReading(index=index, utilisation=min(1.0, share), memory_used_gb=0.0, source="process_cpu")
             for index, share in sorted(cpu_by_device.items())
         ]
         return Telemetry(devices=devices, workers=workers, jobs=self._job_entries(payloads))
@@ -298,7 +298,13 @@ class RayBackend:
         if kind in ENGINE_KINDS:
             return self._engine_reading(name, handle, now, tokens), cpu_share
         busy = max(0.0, usage.busy_s - previous.usage.busy_s) / elapsed
-        return WorkerReading(worker=name, at=now, utilisation=min(1.0, busy), tokens=tokens), cpu_share
+        waiting = max(0.0, usage.waiting_s - previous.usage.waiting_s) / elapsed
+        return (
+            WorkerReading(
+                worker=name, at=now, utilisation=min(1.0, busy), tokens=tokens, waiting=min(1.0, waiting)
+            ),
+            cpu_share,
+        )
 
     def _engine_reading(self, name: str, handle: Any, now: float, tokens: int) -> WorkerReading:
         """An engine's load as it serves it (``/v1/loads``, as a real SGLang server would): running

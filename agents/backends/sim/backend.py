@@ -311,7 +311,7 @@ class SimBackend:
         with self._lock:
             self._sim.advance_to(self.virtual_now())
             devices = [
-                DeviceReading(index=index, utilisation=utilisation, memory_used_gb=memory)
+                DeviceReading(index=index, utilisation=utilisation, memory_used_gb=memory, source="simulated")
                 for index, utilisation, memory in self._sim.telemetry.device_readings()
             ]
             workers = [
