@@ -296,7 +296,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         summary="A real job's results per iteration",
         responses={200: IterationResultSerializer(many=True)},
     )
-    @action(detail=True, methods=["get"], url_path="iterations", filter_backends=[])
+    @action(detail=True, methods=["get"], url_path="iterations", filter_backends=[], pagination_class=None)
     def iterations(self, request: Request, pk: str | None = None) -> Response:
         """Each iteration's result of a job that really runs (the ray backend), oldest first: mean
         reward, accuracy, response lengths, tokens and phase times as its driver measured them.

@@ -54,6 +54,9 @@ NO_SUCH_PAGE = "No such page: `page` is past the last one."
 NO_SUCH_FORMAT = "No such format: `format` names none of the documented ones."
 
 
+NO_NUL_PATTERN = "^[^\\x00]*$"
+
+
 class ApiAutoSchema(AutoSchema):
     """Adds the documented error responses (in the one error shape) to every operation, and says
     of every optional query parameter that a blank value is allowed: it means the parameter was
@@ -63,8 +66,15 @@ class ApiAutoSchema(AutoSchema):
     def _get_parameters(self) -> list[dict[str, Any]]:
         parameters: list[dict[str, Any]] = super()._get_parameters()
         for parameter in parameters:
-            if parameter["in"] == "query" and not parameter.get("required"):
+            if parameter["in"] != "query":
+                continue
+            if not parameter.get("required"):
                 parameter["allowEmptyValue"] = True
+            schema = parameter.get("schema", {})
+            for part in (schema, schema.get("items", {})):
+                if part.get("type") == "string" and not {"format", "enum", "pattern"} & set(part):
+                    # PostgreSQL text cannot hold NUL, so a query value with one is refused (400).
+                    part["pattern"] = NO_NUL_PATTERN
         return parameters
 
     def _get_response_bodies(self, direction: Literal["request", "response"] = "response") -> dict[str, Any]:

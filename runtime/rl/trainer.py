@@ -22,6 +22,7 @@ touching megatron's state. The backend follows the device: gloo on CPU, NCCL whe
 from __future__ import annotations
 
 import datetime
+import gc
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -140,19 +141,19 @@ class Trainer:
     def __init__(
         self,
         config: TrainerConfig,
-        rendezvous: DataParallelRendezvous,
+        rendezvous: DataParallelRendezvous | None,
         initial_weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Build the model (from ``initial_weights`` in the engine's names when given, e.g. the
         warm start's), join the DP group and wrap the model in DDP, which makes every rank start
-        from rank 0's parameters."""
-        if config.global_batch_size % rendezvous.world_size:
-            raise ValueError(
-                f"global batch of {config.global_batch_size} does not split over {rendezvous.world_size} ranks"
-            )
+        from rank 0's parameters.
+
+        Without ``rendezvous`` the rank is built on **standby**: model and optimizer, no group. A
+        rank joining a running trainer (a p2p migration, runtime/rl/state_transfer.py) starts so,
+        receives the state, and joins the new group with `regroup`."""
         self.config = config
-        self.rank = rendezvous.rank
-        self.world_size = rendezvous.world_size
+        self.rank = 0
+        self.world_size = 0
         self.device = training_device()
         self.module = build_gpt_model(config.model, seed=config.seed)
         if initial_weights is not None:
@@ -166,12 +167,9 @@ class Trainer:
         # Training mode for good (no dropout is configured; this only keeps megatron's mode right).
         self.module.train()
         self.module.to(self.device)
-        self.group = create_data_parallel_group(rendezvous, self.device)
-        self.model = DistributedDataParallel(
-            self.module,
-            process_group=self.group,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-        )
+        self.group: c10d.ProcessGroup | None = None
+        self.model: DistributedDataParallel | None = None
+        self.generation = ""
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=config.learning_rate,
@@ -179,6 +177,43 @@ class Trainer:
             weight_decay=config.weight_decay,
         )
         self.step = 0
+        if rendezvous is not None:
+            self.regroup(rendezvous)
+
+    def regroup(self, rendezvous: DataParallelRendezvous) -> None:
+        """Join the data-parallel group of ``rendezvous`` (a new generation, at its size), leaving
+        the current one. The global batch stays the same and is split over the new world size,
+        so it must divide; the optimizer and the weights are untouched (DDP's start-up broadcast
+        from the group's rank 0 finds them equal on every rank after a state transfer)."""
+        if self.config.global_batch_size % rendezvous.world_size:
+            raise ValueError(
+                f"global batch of {self.config.global_batch_size} does not split over "
+                f"{rendezvous.world_size} ranks"
+            )
+        group = create_data_parallel_group(rendezvous, self.device)
+        self.leave_group()
+        self.group = group
+        self.rank = rendezvous.rank
+        self.world_size = rendezvous.world_size
+        self.generation = rendezvous.generation
+        self.model = DistributedDataParallel(
+            self.module,
+            process_group=group,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+        )
+
+    def leave_group(self) -> None:
+        """Drop the DDP wrapper (its reducer's gradient hooks go with it) and the group."""
+        self.model = None
+        self.group = None
+        self.generation = ""
+        # The old reducer must be gone before a new DDP hooks the same parameters.
+        gc.collect()
+
+    def _joined(self) -> tuple[DistributedDataParallel, c10d.ProcessGroup]:
+        if self.model is None or self.group is None:
+            raise RuntimeError("this trainer rank is on standby: it has no data-parallel group yet")
+        return self.model, self.group
 
     @property
     def weight_version(self) -> str:
@@ -202,6 +237,7 @@ class Trainer:
             raise ValueError(
                 f"expected a global batch of {self.config.global_batch_size}, got {len(samples)}"
             )
+        model, _ = self._joined()
         started = time.perf_counter()
         grpo = self.config.grpo
         need_reference = grpo.kl_coef > 0
@@ -228,9 +264,9 @@ class Trainer:
                 version != self.weight_version for t in micro for version in t.weight_versions
             )
             last = index == len(bounds) - 1
-            sync: AbstractContextManager[None] = nullcontext() if last else self.model.no_sync()
+            sync: AbstractContextManager[None] = nullcontext() if last else model.no_sync()
             with sync:
-                new_logprobs = token_logprobs(self.model, batch.input_ids, batch.targets)
+                new_logprobs = token_logprobs(model, batch.input_ids, batch.targets)
                 loss, micro_sums = grpo_loss(
                     new_logprobs,
                     batch.sampling_logprobs.to(self.device),
@@ -262,8 +298,9 @@ class Trainer:
         )
 
     def _all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        _, group = self._joined()
         on_device = values.to(self.device)
-        self.group.allreduce([on_device]).wait()
+        group.allreduce([on_device]).wait()
         return on_device.cpu()
 
     @torch.no_grad()
