@@ -123,13 +123,13 @@ def _digest(tensor: torch.Tensor) -> str:
 
 def _broadcast_bytes(group: c10d.ProcessGroup, payload: bytes | None, device: torch.device) -> bytes:
     size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64, device=device)
-    group.broadcast([size], SENDER).wait()
+    group.broadcast(size, SENDER).wait()
     buffer = (
         torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         if payload is not None
         else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     )
-    group.broadcast([buffer], SENDER).wait()
+    group.broadcast(buffer, SENDER).wait()
     return bytes(buffer.cpu().numpy().tobytes())
 
 
@@ -192,12 +192,12 @@ def transfer_state(
         buffer = mine[kind].to(device)
         if buffer.numel() != header["sizes"][kind]:  # a layout mismatch, already named above
             buffer = torch.empty(header["sizes"][kind], dtype=torch.float32, device=device)
-        group.broadcast([buffer], SENDER).wait()
+        group.broadcast(buffer, SENDER).wait()
         received[kind] = buffer.cpu()
         total += buffer.numel() * buffer.element_size()
     rng_state = _rng_state(device) if sending else torch.empty(header["rng_bytes"], dtype=torch.uint8)
     rng_buffer = rng_state.to(device)
-    group.broadcast([rng_buffer], SENDER).wait()
+    group.broadcast(rng_buffer, SENDER).wait()
     total += int(rng_buffer.numel())
     if not sending and not problem:
         wrong = [kind for kind in _KINDS if _digest(received[kind]) != header["checksums"][kind]]

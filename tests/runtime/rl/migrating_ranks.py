@@ -131,5 +131,5 @@ def new_rank_dies(index: int, scratch: str, batches: list[list[Trajectory]]) -> 
     else:
         group = create_data_parallel_group(_dp(store, 1, 2, "transfer-1"), torch.device("cpu"))
         size = torch.zeros(1, dtype=torch.int64)
-        group.broadcast([size], 0).wait()
+        group.broadcast(size, 0).wait()
         os._exit(3)
