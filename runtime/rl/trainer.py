@@ -170,6 +170,7 @@ class Trainer:
         self.group: c10d.ProcessGroup | None = None
         self.model: DistributedDataParallel | None = None
         self.generation = ""
+        self._prepared: tuple[DataParallelRendezvous, c10d.ProcessGroup] | None = None
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=config.learning_rate,
@@ -182,15 +183,36 @@ class Trainer:
 
     def regroup(self, rendezvous: DataParallelRendezvous) -> None:
         """Join the data-parallel group of ``rendezvous`` (a new generation, at its size), leaving
-        the current one. The global batch stays the same and is split over the new world size,
-        so it must divide; the optimizer and the weights are untouched (DDP's start-up broadcast
-        from the group's rank 0 finds them equal on every rank after a state transfer)."""
+        the current one: `prepare_group` then `switch_group`."""
+        self.prepare_group(rendezvous)
+        self.switch_group()
+
+    def prepare_group(self, rendezvous: DataParallelRendezvous) -> None:
+        """Build the group of a new generation beside the current one, which keeps training until
+        `switch_group` (a p2p migration's ``rebuild_groups``; `drop_prepared_group` undoes it).
+        The global batch stays the same and is split over the new world size, so it must divide."""
         if self.config.global_batch_size % rendezvous.world_size:
             raise ValueError(
                 f"global batch of {self.config.global_batch_size} does not split over "
                 f"{rendezvous.world_size} ranks"
             )
-        group = create_data_parallel_group(rendezvous, self.device)
+        self._prepared = (rendezvous, create_data_parallel_group(rendezvous, self.device))
+
+    def drop_prepared_group(self) -> None:
+        self._prepared = None
+
+    @property
+    def prepared_generation(self) -> str | None:
+        return None if self._prepared is None else self._prepared[0].generation
+
+    def switch_group(self) -> None:
+        """Train in the prepared group from now on (all its ranks call this together: DDP's
+        start-up broadcast from its rank 0 finds the weights equal everywhere after a state
+        transfer); the optimizer and the weights are untouched."""
+        if self._prepared is None:
+            raise RuntimeError("no data-parallel group is prepared to switch to")
+        rendezvous, group = self._prepared
+        self._prepared = None
         self.leave_group()
         self.group = group
         self.rank = rendezvous.rank

@@ -10,13 +10,14 @@ engines report the pushed ``weight_version`` back (``/server_info``, and per gen
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
-from runtime.engine.client import EngineClient
+from runtime.engine.client import EngineClient, EngineError
 from runtime.engine.cpu_server import ENGINE_NAME
 from runtime.engine.weight_sync import (
     DEFAULT_GROUP_NAME,
@@ -92,10 +93,15 @@ class WeightPusher:
         self._wait(updates)
 
     def close(self) -> None:
+        """Leave the group, and ask every engine that still answers to leave it too (another
+        trainer rank may open a group of its own on them next)."""
         release_weight_update_group(self.group)
-        self._pool.shutdown(wait=False)
         for client in self.clients:
+            # An engine that is gone, or already left, holds nothing to undo.
+            with contextlib.suppress(EngineError, OSError):
+                client.destroy_weights_update_group(self.group_name)
             client.close()
+        self._pool.shutdown(wait=False)
 
     def _on_every_engine(self, call: Callable[[int, EngineClient], T]) -> list[Future[T]]:
         # Engine i is rank i + 1 of the group: the trainer is rank 0.

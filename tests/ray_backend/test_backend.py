@@ -23,7 +23,7 @@ from tests.ray_cluster import NAMESPACE, LocalRayCluster
 ITERATIONS = 3
 
 
-def tiny_spec(name: str, engine: str = "auto") -> dict[str, Any]:
+def tiny_spec(name: str, engine: str = "auto", actors: int = 2) -> dict[str, Any]:
     return parse_spec(
         {
             "name": name,
@@ -51,7 +51,7 @@ def tiny_spec(name: str, engine: str = "auto") -> dict[str, Any]:
             "components": [
                 {"name": "rollout", "kind": "rollout", "workers": 2},
                 {"name": "reward", "kind": "reward", "workers": 1},
-                {"name": "actor", "kind": "actor", "workers": 2},
+                {"name": "actor", "kind": "actor", "workers": actors, "min_workers": 1, "max_workers": 2},
             ],
             "policy": {"name": "static-disaggregated"},
         }

@@ -19,7 +19,6 @@ This module must not import Django: agents run on GPU hosts with a slim install.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetry, WorkerReading
 from agents.backends.ray import driver as job_driver
@@ -39,12 +38,14 @@ from agents.backends.ray.actors import (
     TrainerRankWorker,
     WorkerUsage,
     actor_name,
+    job_of,
     node_workers,
     start_worker_actor,
     stop_worker,
     worker_handle,
 )
 from agents.backends.ray.connection import RayClusterError, RayNode, connect, find_node
+from agents.backends.step_payload import StepContext, parse_step
 from runtime.engine.client import EngineClient, EngineError
 from runtime.rl.job import RLJobConfig
 
@@ -54,14 +55,14 @@ DEFAULT_NAMESPACE: Final = "dynarl"
 LAUNCH_TIMEOUT_S: Final = 120.0
 CALL_TIMEOUT_S: Final = 2.0
 TELEMETRY_WAIT_S: Final = 1.0
-WORKER_NAME: Final = re.compile(r"j(?P<job>\d+)-")
+STEP_TIMEOUT_S: Final = 600.0
+# The strategies carried out, and which of their step kinds the job's driver does (once for all the
+# step's nodes); the others are each node's own (starting and stopping its workers).
+DRIVER_KINDS: Final = {
+    "p2p": job_driver.P2P_KINDS,
+    "restart": frozenset({"drain", "undrain", "switch"}),
+}
 SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward")
-
-
-def job_of(worker: str) -> int | None:
-    """The job a worker belongs to, from its name (``j<job>-<group>-w<i>``)."""
-    match = WORKER_NAME.match(worker)
-    return int(match.group("job")) if match else None
 
 
 @dataclass
@@ -109,6 +110,8 @@ class RayBackend:
         self._samples: dict[str, _Sample] = {}
         self._lost: dict[int, str] = {}  # job -> why it cannot go on (a worker of ours died)
         self._engines: dict[str, EngineClient] = {}  # engine worker -> a client of its server
+        # A restart side's stopped workers, by side, for a rollback's restart_workers.
+        self._stopped: dict[str, dict[str, Mapping[str, Any]]] = {}
         self._closed = False
 
     # -- the agent's calls ---------------------------------------------------------------------
@@ -220,9 +223,179 @@ class RayBackend:
         return {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        step = payload.get("step", {})
-        kind = step.get("kind") if isinstance(step, Mapping) else None
-        raise StepFailed(f"the ray backend does not carry out migration steps yet (step {kind!r})")
+        """This node's part of a migration step. The trainer's ``p2p`` migrations are carried out
+        (docs/ray-backend.md, "Migrations"): starting and stopping this node's ranks here, and the
+        job-wide part (transfer, groups, barrier, switch) by the job's driver, once for all the
+        step's nodes. Other strategies are refused with a clear error (rolled back)."""
+        ctx = parse_step(payload)
+        if ctx.strategy not in DRIVER_KINDS:
+            raise StepFailed(
+                f"{self.host}: the ray backend moves the trainer (p2p) and reward workers (restart); "
+                f"{ctx.strategy or 'this'} steps ({ctx.kind}) are not carried out yet"
+            )
+        try:
+            if ctx.kind in DRIVER_KINDS[ctx.strategy]:
+                return self._driver_step(ctx)
+            local = getattr(self, f"_step_{ctx.kind}", None)
+            if local is None:
+                raise StepFailed(f"{self.host}: unknown p2p step kind {ctx.kind!r}")
+            result: dict[str, Any] = local(ctx)
+            return result
+        except (RayError, TimeoutError, ValueError) as exc:
+            raise StepFailed(f"{self.host}: {ctx.kind}: {exc}") from exc
+
+    def _driver_step(self, ctx: StepContext) -> dict[str, Any]:
+        handle = job_driver.driver_handle(ctx.job_id)
+        if handle is None:
+            raise StepFailed(f"{self.host}: {ctx.kind}: job {ctx.job_id} has no driver")
+        step = {
+            "step_id": ctx.step_id,
+            "attempt": ctx.attempt,
+            "kind": ctx.kind,
+            "strategy": ctx.strategy,
+            "worker_ids": list(ctx.worker_ids),
+        }
+        try:
+            result: dict[str, Any] = ray.get(handle.migration_step.remote(step), timeout=STEP_TIMEOUT_S)
+        except RayTaskError as exc:
+            raise StepFailed(f"{self.host}: {_cause(exc)}") from exc
+        return result
+
+    def _local_devices(self, ctx: StepContext) -> dict[str, list[dict[str, Any]]]:
+        """The step's workers that run here, with their devices as a launch payload lists them."""
+        placed: dict[str, list[dict[str, Any]]] = {}
+        for worker, uids in ctx.devices_by_worker().items():
+            indices = [self._local_index(uid) for uid in uids]
+            local = [i for i in indices if i is not None]
+            if not local:
+                continue
+            if len(local) != len(indices):
+                raise StepFailed(f"{self.host}: worker {worker} would span this node and others")
+            placed[worker] = [
+                {"uid": uid, "index": index, "hardware": self.hardware, "shared": False}
+                for uid, index in zip(uids, local, strict=True)
+            ]
+        return placed
+
+    def _local_index(self, uid: str) -> int | None:
+        host, _, rest = uid.rpartition("/")
+        if host != self.host or not rest.startswith("gpu") or not rest[3:].isdigit():
+            return None
+        index = int(rest[3:])
+        return index if index < self.gpus else None
+
+    def _step_reserve_devices(self, ctx: StepContext) -> dict[str, Any]:
+        # A Ray node's devices are only what the control plane says they are: its reservation
+        # row is the reservation. This node only checks that they are its own and unused.
+        mine = [uid for uid in ctx.device_ids if self._local_index(uid) is not None]
+        with self._lock:
+            used = {
+                str(device.get("uid"))
+                for payload in self._payloads.values()
+                for device in payload.get("devices", [])
+                if not device.get("shared")
+            }
+        taken = sorted(set(mine) & used)
+        if taken:
+            raise StepFailed(f"{self.host}: devices {', '.join(taken)} are held by running workers")
+        return {"reserved": mine}
+
+    def _step_release_reservation(self, ctx: StepContext) -> dict[str, Any]:
+        return {}
+
+    def _step_start_workers(self, ctx: StepContext) -> dict[str, Any]:
+        """The new workers placed here: trainer ranks started empty and on standby for the
+        transfer, reward workers ready to score."""
+        placed = self._local_devices(ctx)
+        if not placed:
+            return {"started": []}
+        driver = job_driver.driver_handle(ctx.job_id)
+        if driver is None:
+            raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver to build its workers from")
+        kind = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
+        payloads = {
+            worker: {
+                "worker": worker,
+                "job": ctx.job_id,
+                "group": ctx.group,
+                "kind": kind,
+                "devices": devices,
+            }
+            for worker, devices in placed.items()
+        }
+        if kind == "actor":
+            config = ray.get(driver.trainer_config.remote(), timeout=CALL_TIMEOUT_S * 5)
+            handles = [self._start_actor(p, TrainerRankWorker, config) for p in payloads.values()]
+            ray.get([h.standby.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        elif kind == "reward":
+            handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
+            ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        else:
+            raise StepFailed(
+                f"{self.host}: the ray runtime does not start {kind or 'unknown'} workers by migration"
+            )
+        with self._lock:
+            self._payloads.update(payloads)
+        return {"started": sorted(placed)}
+
+    def _start_actor(self, payload: Mapping[str, Any], cls: type, *args: Any) -> Any:
+        """The worker's actor (idempotent by name: a retried step finds the one it started)."""
+        worker = str(payload["worker"])
+        existing = worker_handle(self.node.name, worker)
+        return existing or start_worker_actor(self.node, worker, list(payload["devices"]), cls, *args)
+
+    def _step_health_check(self, ctx: StepContext) -> dict[str, Any]:
+        with self._lock:
+            mine = [w for w in ctx.worker_ids if w in self._payloads]
+        found = {w: worker_handle(self.node.name, w) for w in mine}
+        gone = sorted(w for w, h in found.items() if h is None)
+        if gone:
+            raise StepFailed(f"{self.host}: {', '.join(gone)} is not running")
+        ray.get([h.usage.remote() for h in found.values() if h is not None], timeout=CALL_TIMEOUT_S * 5)
+        return {"healthy": sorted(mine)}
+
+    def _step_stop_workers(self, ctx: StepContext) -> dict[str, Any]:
+        """A restart's leaving workers (drained by the driver): stopped, their launch kept for a
+        rollback's restart_workers."""
+        with self._lock:
+            kept = self._stopped.setdefault(ctx.side_key, {})
+            kept.update({w: self._payloads[w] for w in ctx.worker_ids if w in self._payloads})
+        return {"stopped": self._stop_listed(ctx)}
+
+    def _step_restart_workers(self, ctx: StepContext) -> dict[str, Any]:
+        with self._lock:
+            kept = dict(self._stopped.get(ctx.side_key, {}))
+        handles = [self._start_actor(p, RewardWorker) for p in kept.values() if p.get("kind") == "reward"]
+        ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        with self._lock:
+            self._payloads.update(kept)
+        return {"restarted": sorted(kept)}
+
+    def _stop_listed(self, ctx: StepContext) -> list[str]:
+        stopped = []
+        for worker in ctx.worker_ids:
+            if worker_handle(self.node.name, worker) is None:
+                continue
+            stop_worker(self.node.name, worker)
+            stopped.append(worker)
+            with self._lock:
+                self._payloads.pop(worker, None)
+                self._samples.pop(worker, None)
+        return stopped
+
+    def _step_destroy_new(self, ctx: StepContext) -> dict[str, Any]:
+        return {"destroyed": self._stop_listed(ctx)}
+
+    def _step_destroy_old(self, ctx: StepContext) -> dict[str, Any]:
+        """The ranks the switch left out (they already left their group): their actors stop."""
+        return {"destroyed": self._stop_listed(ctx)}
+
+    def _step_release_devices(self, ctx: StepContext) -> dict[str, Any]:
+        released = self._stop_listed(ctx)
+        return {
+            "released": released,
+            "devices": [u for u in ctx.device_ids if self._local_index(u) is not None],
+        }
 
     def telemetry(self) -> Telemetry:
         """What the node's workers did since the previous call. Bounded in time (the heartbeat
@@ -407,3 +580,9 @@ class RayBackend:
 
     def actor_of(self, worker: str) -> str:
         return actor_name(self.node.name, worker)
+
+
+def _cause(exc: RayTaskError) -> str:
+    """The error a remote call raised, as its message (not Ray's traceback around it)."""
+    cause = exc.cause if isinstance(exc.cause, BaseException) else None
+    return str(cause) if cause is not None else str(exc).strip().splitlines()[-1]

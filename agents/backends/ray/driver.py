@@ -30,7 +30,8 @@ import json
 import logging
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -40,14 +41,14 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agents.backends.ray.actors import kill_actor
+from agents.backends.ray.actors import job_of, kill_actor
 from agents.backends.ray.connection import RayNode
 from runtime.engine.client import EngineClient, EngineError
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig, Trajectory
 from runtime.rl.job import INITIAL_WEIGHT_VERSION, RLJobConfig, warm_start_checkpoint, warm_start_weights
 from runtime.rl.loop import EngineReference, IterationReport, run_iteration
-from runtime.rl.trainer import TrainStepMetrics
+from runtime.rl.trainer import TrainerConfig, TrainStepMetrics
 from runtime.task.arithmetic import Problem, TaskConfig
 from runtime.task.tokenizer import CharTokenizer
 
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S: Final = 600.0
 STEP_TIMEOUT_S: Final = 1800.0
+# The longest a p2p migration may hold the trainer (transfer to switch) before the job fails:
+# a migration abandoned without its compensations must not stall the job for good.
+GATE_TIMEOUT_S: Final = 900.0
 CALL_TIMEOUT_S: Final = 2.0
 DRIVER_PREFIX: Final = "dynarl-job-"
 RESULTS_SENT: Final = 8  # the latest iteration results each heartbeat repeats (kept once by iteration)
@@ -128,6 +132,9 @@ def ensure_driver(job_id: int, spec: Mapping[str, Any], node: RayNode, checkpoin
             lifetime="detached",
             max_restarts=0,  # a driver that died has lost the job's loop: the job fails
             num_cpus=0,
+            # The agents' calls (progress, observe, a migration's steps from several nodes) run
+            # beside one another; the loop has a thread of its own.
+            max_concurrency=8,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=True),
         )
         .remote(job_id, dict(spec), checkpoint_dir)
@@ -142,9 +149,8 @@ def driver_handle(job_id: int) -> Any | None:
 
 
 def job_actors(job_id: int) -> list[str]:
-    """Names of the job's worker actors alive anywhere in the cluster (``<node>/j<job>-...``)."""
-    marker = f"/j{job_id}-"
-    return [name for name in ray.util.list_named_actors() if marker in name]
+    """Names of the job's worker actors alive anywhere in the cluster (``<node>/<worker>``)."""
+    return [name for name in ray.util.list_named_actors() if job_of(name.rpartition("/")[2]) == job_id]
 
 
 def stop_driver(job_id: int, *, timeout_s: float = 30.0) -> None:
@@ -226,41 +232,131 @@ class _View:
     members: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)  # group -> (kind, workers)
 
 
+class TrainingGate:
+    """Keeps a p2p migration and the trainer's work apart: while a migration holds the gate (from
+    its transfer to its switch or rollback) no train step or weight push starts, and a migration
+    takes the gate only between them, so the state it moves is one step's, whole."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._holder: str | None = None
+        self._busy = 0
+
+    def hold(self, migration: str, timeout_s: float) -> None:
+        with self._changed:
+            if self._holder == migration:
+                return
+            if not self._changed.wait_for(lambda: self._holder is None and not self._busy, timeout=timeout_s):
+                raise TimeoutError(f"the trainer stayed busy (or held by {self._holder}) for {timeout_s:g} s")
+            self._holder = migration
+
+    def release(self, migration: str) -> None:
+        with self._changed:
+            if self._holder == migration:
+                self._holder = None
+                self._changed.notify_all()
+
+    @property
+    def holder(self) -> str | None:
+        with self._changed:
+            return self._holder
+
+    @contextmanager
+    def work(self, timeout_s: float) -> Iterator[None]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._holder is None, timeout=timeout_s):
+                raise JobFailed(f"migration {self._holder} held the trainer for over {timeout_s:g} s")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._busy -= 1
+                self._changed.notify_all()
+
+
 class RayTrainerGroup:
     """The trainer's data-parallel ranks as the loop drives them: every rank takes the global
-    batch and the same step; rank 0 pushes the weights."""
+    batch and the same step; rank 0 pushes the weights. A p2p migration's switch replaces
+    ``ranks`` (under the gate, so never in the middle of a step)."""
 
-    def __init__(self, ranks: Sequence[Any]) -> None:
+    def __init__(self, ranks: Sequence[Any], gate: TrainingGate | None = None) -> None:
         self.ranks = list(ranks)
+        self.gate = gate or TrainingGate()
 
     def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepMetrics:
         batch = ray.put(list(trajectories))
-        metrics: list[TrainStepMetrics] = ray.get(
-            [rank.train_step.remote(batch) for rank in self.ranks], timeout=STEP_TIMEOUT_S
-        )
+        with self.gate.work(GATE_TIMEOUT_S):
+            metrics: list[TrainStepMetrics] = ray.get(
+                [rank.train_step.remote(batch) for rank in self.ranks], timeout=STEP_TIMEOUT_S
+            )
         return metrics[0]
 
     def push_weights(self) -> str:
-        return str(ray.get(self.ranks[0].push_weights.remote(), timeout=STEP_TIMEOUT_S))
+        with self.gate.work(GATE_TIMEOUT_S):
+            return str(ray.get(self.ranks[0].push_weights.remote(), timeout=STEP_TIMEOUT_S))
 
 
 class RayReward:
-    """The reward workers: the samples split evenly over them, scored in parallel."""
+    """The reward workers: the samples split evenly over the active ones, scored in parallel.
 
-    def __init__(self, workers: Sequence[Any]) -> None:
-        self.workers = list(workers)
+    A ``restart`` migration changes the membership: a worker being drained gets no new work
+    (``drain`` returns once its call in flight ended), and a switch sets the members."""
+
+    def __init__(self, workers: Mapping[str, Any]) -> None:
+        self._changed = threading.Condition()
+        self._members = dict(workers)
+        self._draining: set[str] = set()
+        self._busy: dict[str, int] = {}
+
+    @property
+    def members(self) -> list[str]:
+        with self._changed:
+            return sorted(self._members)
 
     def score(self, problems_and_texts: Sequence[tuple[Problem, str]]) -> list[float]:
-        count = len(self.workers)
-        share = -(-len(problems_and_texts) // count)
-        chunks = [problems_and_texts[i * share : (i + 1) * share] for i in range(count)]
-        futures = [
-            worker.score.remote([p for p, _ in chunk], [t for _, t in chunk])
-            for worker, chunk in zip(self.workers, chunks, strict=True)
-            if chunk
-        ]
-        scored: list[list[float]] = ray.get(futures, timeout=STEP_TIMEOUT_S)
+        with self._changed:
+            active = [(n, h) for n, h in sorted(self._members.items()) if n not in self._draining]
+            if not active:
+                raise JobFailed("the job has no reward worker to score with")
+            for name, _ in active:
+                self._busy[name] = self._busy.get(name, 0) + 1
+        try:
+            share = -(-len(problems_and_texts) // len(active))
+            chunks = [problems_and_texts[i * share : (i + 1) * share] for i in range(len(active))]
+            futures = [
+                handle.score.remote([p for p, _ in chunk], [t for _, t in chunk])
+                for (_, handle), chunk in zip(active, chunks, strict=True)
+                if chunk
+            ]
+            scored: list[list[float]] = ray.get(futures, timeout=STEP_TIMEOUT_S)
+        finally:
+            with self._changed:
+                for name, _ in active:
+                    self._busy[name] -= 1
+                self._changed.notify_all()
         return [value for chunk in scored for value in chunk]
+
+    def drain(self, workers: Sequence[str], timeout_s: float) -> None:
+        with self._changed:
+            self._draining |= set(workers)
+            if not self._changed.wait_for(
+                lambda: not any(self._busy.get(w) for w in workers), timeout=timeout_s
+            ):
+                raise TimeoutError(f"{', '.join(workers)} still scoring after {timeout_s:g} s")
+
+    def undrain(self, handles: Mapping[str, Any]) -> None:
+        """Back in service, with their handles (an actor restarted by its agent is a new one)."""
+        with self._changed:
+            self._draining -= set(handles)
+            self._members.update(handles)
+            self._changed.notify_all()
+
+    def set_members(self, handles: Mapping[str, Any]) -> None:
+        with self._changed:
+            self._members = dict(handles)
+            self._draining &= set(handles)
+            self._changed.notify_all()
 
 
 class JobDriver:
@@ -272,6 +368,7 @@ class JobDriver:
         self.job_id = job_id
         self.config = rl_config(spec)
         self.groups = sorted(str(c["name"]) for c in spec.get("components", []))
+        self.kinds = {str(c["name"]): str(c.get("kind", "")) for c in spec.get("components", [])}
         self.checkpoint_dir = Path(checkpoint_dir)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -285,6 +382,15 @@ class JobDriver:
         self._results: list[dict[str, Any]] = []
         self._failure: str | None = None
         self._workers: dict[str, Any] = {}  # member worker -> its actor, once found
+        # The trainer as the loop drives it, its ranks' workers in rank order, and the rollout
+        # engines' URLs (a new rank 0 opens the weight push to them): set up by the loop.
+        self._trainer = RayTrainerGroup([])
+        self._ranks: list[str] = []
+        self._rollout_urls: list[str] = []
+        self._reward = RayReward({})
+        self._ready = threading.Event()
+        self._p2p = P2pMigration(self)
+        self._restart = RestartMigration(self)
         self._thread = threading.Thread(target=self._run, name=f"job-{job_id}-driver", daemon=True)
         self._thread.start()
 
@@ -315,6 +421,23 @@ class JobDriver:
                 "results": list(self._results),
                 "failure": self._failure,
             }
+
+    def trainer_config(self) -> TrainerConfig:
+        """What a new trainer rank of this job is built with (a p2p migration's start_workers)."""
+        return self.config.trainer_config()
+
+    def group_kind(self, group: str) -> str:
+        """The component kind of one of the job's groups (what a migration's new workers are)."""
+        return self.kinds.get(group, "")
+
+    def migration_step(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        """Carry out the job-wide part of a migration step (``strategy``, ``kind``, ``step_id``,
+        ``attempt``, ``worker_ids``): the trainer's p2p steps, a restart's drain and switch.
+        Every node of the step asks; the first call does the work and the others get its
+        outcome. Raises with a readable reason on failure."""
+        if step.get("strategy") == "restart":
+            return self._restart.step(step)
+        return self._p2p.step(step)
 
     def shutdown(self) -> None:
         with self._changed:
@@ -442,8 +565,12 @@ class JobDriver:
         )
         ray.get(ranks[0].connect_engines.remote([urls[n] for n in rollout_names]), timeout=SETUP_TIMEOUT_S)
         reference = EngineReference([clients[n] for n in inference_names]) if inference_names else None
-        reward = RayReward([workers[n] for n in reward_names])
-        return [clients[n] for n in rollout_names], reference, reward, RayTrainerGroup(ranks)
+        reward = self._reward = RayReward({n: workers[n] for n in reward_names})
+        self._trainer.ranks = ranks
+        self._ranks = list(actor_names)
+        self._rollout_urls = [urls[n] for n in rollout_names]
+        self._ready.set()
+        return [clients[n] for n in rollout_names], reference, reward, self._trainer
 
     def _record(self, report: IterationReport, view: _View) -> None:
         rollout = sorted(w for k, members in view.members.values() if k == "rollout" for w in members)
@@ -474,3 +601,261 @@ def report_result(report: IterationReport) -> dict[str, Any]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:500]
+
+
+# -- p2p migrations of the trainer ----------------------------------------------------------------
+
+P2P_KINDS: Final = frozenset(
+    {"transfer_state", "discard_transfer", "rebuild_groups", "restore_groups", "barrier", "switch"}
+)
+MIGRATION_TIMEOUT_S: Final = 300.0
+
+
+def worker_actor(worker: str) -> Any:
+    """The actor of ``worker`` wherever it runs (actors are named ``<node>/<worker>``)."""
+    for name in ray.util.list_named_actors():
+        if name.rpartition("/")[2] == worker:
+            return ray.get_actor(name)
+    raise JobFailed(f"worker {worker} has no actor in the Ray cluster")
+
+
+@dataclass
+class _Prepared:
+    migration: str
+    generation: str
+    members: list[str]
+    handles: list[Any]
+
+
+class _OncePerStep:
+    """Runs each (step, attempt) once: the nodes of a step all ask, and wait for one outcome."""
+
+    kinds: frozenset[str] = frozenset()
+
+    def __init__(self, driver: JobDriver) -> None:
+        self.driver = driver
+        self._lock = threading.Lock()
+        self._outcomes: dict[tuple[str, int], dict[str, Any] | Exception] = {}
+        self._running: dict[tuple[str, int], threading.Event] = {}
+
+    def step(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        key = (str(step["step_id"]), int(step.get("attempt", 1)))
+        while True:
+            with self._lock:
+                if key in self._outcomes:
+                    outcome = self._outcomes[key]
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    return dict(outcome)
+                running = self._running.get(key)
+                if running is None:
+                    done = self._running[key] = threading.Event()
+                    break
+            running.wait()
+        try:
+            result: dict[str, Any] | Exception = self._run(step)
+        except (JobFailed, RayError, TimeoutError, ValueError, RuntimeError) as exc:
+            result = JobFailed(f"{step.get('kind')}: {_first_line(exc)}")
+        with self._lock:
+            self._outcomes[key] = result
+            del self._running[key]
+        done.set()
+        if isinstance(result, Exception):
+            raise result
+        return dict(result)
+
+    def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        kind = str(step["kind"])
+        if kind not in self.kinds:
+            raise JobFailed(f"{kind} is not a {type(self).__name__} step the driver carries out")
+        migration = str(step["step_id"]).split(":", 1)[0]
+        attempt = int(step.get("attempt", 1))
+        workers = [str(w) for w in step.get("worker_ids", [])]
+        if not self.driver._ready.wait(timeout=MIGRATION_TIMEOUT_S):
+            raise JobFailed("the job is not set up yet")
+        handler: Callable[[str, int, list[str]], dict[str, Any]] = getattr(self, f"_{kind}")
+        return handler(migration, attempt, workers)
+
+
+class P2pMigration(_OncePerStep):
+    """The driver's side of a p2p migration (docs/migration-plans.md; runtime/rl/state_transfer.py):
+
+    - ``transfer_state``: the gate is taken (no train step runs until the switch or the rollback),
+      rank 0 of the running trainer sends its state to the new ranks over a transfer group of its
+      own (a fresh store prefix), and every receiver's checksums must equal the sender's;
+    - ``rebuild_groups``: every rank of the new layout (the staying ranks in their order, then the
+      new ones) builds the next generation's DP group beside the current one, on a store its new
+      rank 0 serves; ``restore_groups`` drops it;
+    - ``barrier``: every rank of the new layout answers and holds the prepared group;
+    - ``switch``: they all train in the new group; the ranks left out leave theirs; a new rank 0
+      opens the weight push to the engines; the gate opens. ``discard_transfer`` opens it too.
+    """
+
+    kinds = P2P_KINDS
+
+    def __init__(self, driver: JobDriver) -> None:
+        super().__init__(driver)
+        self._received: dict[str, list[str]] = {}
+        self._prepared: _Prepared | None = None
+
+    @property
+    def _gate(self) -> TrainingGate:
+        return self.driver._trainer.gate
+
+    def _transfer_state(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        members = list(self.driver._ranks)
+        receivers = sorted(w for w in workers if w not in members)
+        self._gate.hold(migration, MIGRATION_TIMEOUT_S)
+        if not receivers:  # a shrinking trainer: the staying ranks already hold the state
+            return {"receivers": [], "bytes": 0}
+        sender = self.driver._trainer.ranks[0]
+        handles = [worker_actor(w) for w in receivers]
+        ray.get([h.standby.remote() for h in handles], timeout=MIGRATION_TIMEOUT_S)
+        world = 1 + len(handles)
+        store = ray.get(sender.host_store.remote(world), timeout=MIGRATION_TIMEOUT_S)
+        prefix = f"transfer-{migration}-a{attempt}"
+        cursor = {"iteration": self.driver._iteration, "trained_iteration": self.driver._trained}
+        reports: list[dict[str, Any]] = ray.get(
+            [sender.transfer.remote(store, 0, world, prefix, cursor)]
+            + [h.transfer.remote(store, i, world, prefix, {}) for i, h in enumerate(handles, 1)],
+            timeout=MIGRATION_TIMEOUT_S,
+        )
+        sent = reports[0]["checksums"]
+        wrong = [w for w, report in zip(receivers, reports[1:], strict=True) if report["checksums"] != sent]
+        if wrong:
+            raise JobFailed(f"{', '.join(wrong)} did not end with the sender's state")
+        with self._lock:
+            self._received[migration] = receivers
+        return {
+            "receivers": receivers,
+            "bytes": int(reports[0]["bytes"]) * len(receivers),
+            "seconds": max(float(r["seconds"]) for r in reports),
+            "step": int(reports[0]["step"]),
+            "checksums": sent,
+        }
+
+    def _discard_transfer(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        with self._lock:
+            self._received.pop(migration, None)
+        self._gate.release(migration)
+        return {}
+
+    def _order(self, workers: list[str]) -> list[str]:
+        """The new layout's ranks: the staying ones in their order (rank 0 keeps the weight push
+        when it stays), then the new ones by name."""
+        members = self.driver._ranks
+        return [w for w in members if w in workers] + sorted(w for w in workers if w not in members)
+
+    def _rebuild_groups(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        self._gate.hold(migration, MIGRATION_TIMEOUT_S)
+        members = self._order(workers)
+        if not members:
+            raise JobFailed("the new layout has no trainer rank")
+        with self._lock:
+            received = set(self._received.get(migration, []))
+        missing = [w for w in members if w not in self.driver._ranks and w not in received]
+        if missing:
+            raise JobFailed(f"{', '.join(missing)} has not received the trainer's state")
+        handles = [worker_actor(w) for w in members]
+        generation = f"dp-{migration}-a{attempt}"
+        store = ray.get(handles[0].host_store.remote(len(members)), timeout=MIGRATION_TIMEOUT_S)
+        ray.get(
+            [h.prepare.remote(store, rank, len(members), generation) for rank, h in enumerate(handles)],
+            timeout=MIGRATION_TIMEOUT_S,
+        )
+        with self._lock:
+            self._prepared = _Prepared(migration, generation, members, handles)
+        return {"members": members, "generation": generation}
+
+    def _restore_groups(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        with self._lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            refs = [h.drop_prepared.remote() for h in prepared.handles]
+            ray.wait(refs, num_returns=len(refs), timeout=MIGRATION_TIMEOUT_S)  # a dead rank holds nothing
+        return {}
+
+    def _ready_prepared(self, migration: str, workers: list[str]) -> _Prepared:
+        with self._lock:
+            prepared = self._prepared
+        if prepared is None or prepared.migration != migration:
+            raise JobFailed(f"no data-parallel group was rebuilt for migration {migration}")
+        if set(prepared.members) != set(workers):
+            raise JobFailed(f"the rebuilt group holds {prepared.members}, the step names {sorted(workers)}")
+        return prepared
+
+    def _barrier(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        prepared = self._ready_prepared(migration, workers)
+        ray.get([h.__ray_ready__.remote() for h in prepared.handles], timeout=MIGRATION_TIMEOUT_S)
+        return {"ranks": prepared.members}
+
+    def _switch(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        prepared = self._ready_prepared(migration, workers)
+        driver = self.driver
+        old_members, old_ranks = list(driver._ranks), list(driver._trainer.ranks)
+        ray.get([h.switch.remote() for h in prepared.handles], timeout=MIGRATION_TIMEOUT_S)
+        leaving = [h for name, h in zip(old_members, old_ranks, strict=True) if name not in prepared.members]
+        if leaving:  # they are stopped by destroy_old; a dead one has nothing to leave
+            ray.wait(
+                [h.leave.remote() for h in leaving], num_returns=len(leaving), timeout=MIGRATION_TIMEOUT_S
+            )
+        if prepared.members[0] != old_members[0]:
+            if old_members[0] in prepared.members:
+                ray.get(old_ranks[0].close_pusher.remote(), timeout=MIGRATION_TIMEOUT_S)
+            ray.get(
+                prepared.handles[0].connect_engines.remote(
+                    driver._rollout_urls, f"weights-{prepared.generation}"
+                ),
+                timeout=MIGRATION_TIMEOUT_S,
+            )
+        with driver._lock:
+            driver._trainer.ranks = list(prepared.handles)
+            driver._ranks = list(prepared.members)
+            for name in old_members:
+                if name not in prepared.members:
+                    driver._workers.pop(name, None)
+            driver._workers.update(zip(prepared.members, prepared.handles, strict=True))
+        with self._lock:
+            self._prepared = None
+            self._received.pop(migration, None)
+        self._gate.release(migration)
+        return {"members": prepared.members, "generation": prepared.generation}
+
+
+class RestartMigration(_OncePerStep):
+    """The driver's side of a ``restart`` migration of the reward group (its workers hold no
+    state: they are stopped on the devices that leave and started on the ones that arrive):
+
+    - ``drain``: the leaving workers get no new samples to score; returns once their call in
+      flight ended (the agents then stop them); ``undrain`` puts them back, found again by name
+      (an agent's ``restart_workers`` started them anew);
+    - ``switch`` (the growing side): the group's members are exactly the step's workers.
+    """
+
+    kinds = frozenset({"drain", "undrain", "switch"})
+
+    def _reward_group(self, workers: list[str]) -> RayReward:
+        if any(self.driver.kinds.get(group) != "reward" for group in self._groups_of(workers)):
+            raise JobFailed("only the reward group is restarted by the ray runtime")
+        return self.driver._reward
+
+    def _groups_of(self, workers: list[str]) -> set[str]:
+        members = self.driver._view.members if self.driver._view is not None else {}
+        groups = {group for group, (_, names) in members.items() if set(names) & set(workers)}
+        return groups or {group for group, kind in self.driver.kinds.items() if kind == "reward"}
+
+    def _drain(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        self._reward_group(workers).drain(workers, MIGRATION_TIMEOUT_S)
+        return {"drained": sorted(workers)}
+
+    def _undrain(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        self._reward_group(workers).undrain({w: worker_actor(w) for w in workers})
+        return {"undrained": sorted(workers)}
+
+    def _switch(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        handles = {w: worker_actor(w) for w in workers}
+        ray.get([h.__ray_ready__.remote() for h in handles.values()], timeout=MIGRATION_TIMEOUT_S)
+        self._reward_group(workers).set_members(handles)
+        with self.driver._lock:
+            self.driver._workers.update(handles)
+        return {"members": sorted(workers)}

@@ -37,7 +37,8 @@ from agents.backends.sim.faults import (
 from agents.backends.sim.host import SimHost
 from agents.backends.sim.model import SpecProblem
 from agents.backends.sim.state import HostError, JobView
-from agents.backends.sim.steps import HostSteps, StepContext, StepPlan
+from agents.backends.sim.steps import HostSteps, StepPlan
+from agents.backends.step_payload import StepContext, parse_step
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class SimBackend:
         return {"ok": True, "workers": stopped}
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        ctx = self._context(payload)
+        ctx = parse_step(payload)
         key = (ctx.step_id, ctx.attempt)
         while True:
             with self._lock:
@@ -399,29 +400,6 @@ class SimBackend:
         return self._lock
 
     # -- steps ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _context(payload: Mapping[str, Any]) -> StepContext:
-        step = payload.get("step")
-        if not isinstance(step, Mapping):
-            raise StepFailed("the step payload has no 'step' object")
-        try:
-            handover = payload.get("handover") or {}
-            return StepContext(
-                step_id=str(step["step_id"]),
-                attempt=int(payload.get("attempt", 1)),
-                kind=str(step["kind"]),
-                job_id=int(payload["job"]),
-                group=str(step["group_id"]),
-                strategy=str(step.get("strategy", "")),
-                worker_ids=tuple(str(w) for w in step.get("worker_ids", ())),
-                device_ids=tuple(str(d) for d in step.get("device_ids", ())),
-                handover=handover if isinstance(handover, Mapping) else {},
-                spec=payload["spec"] if isinstance(payload.get("spec"), Mapping) else None,
-                share=float(step.get("share", 0.0)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StepFailed(f"malformed step payload: {exc!r}") from exc
 
     def _inject(self, kind: str) -> Fault | None:
         fault = self.faults.next_for(kind)

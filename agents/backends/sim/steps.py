@@ -16,6 +16,7 @@ from typing import Any
 from agents.backends.sim.host import PAUSED_FOREVER_S, SimHost
 from agents.backends.sim.model import SpecProblem
 from agents.backends.sim.state import HostEpisode, HostError, HostJob, HostWorker, WorkerState
+from agents.backends.step_payload import StepContext
 from scheduler.core.migration import COMPENSATION, StepKind
 from scheduler.core.sim.engine import SimRequest
 from scheduler.core.sim.stages import ACTOR, REWARD, ROLLOUT, TOOL
@@ -27,38 +28,6 @@ HANDOVER_S_PER_REQUEST = 0.001  # MigrationCostModel's per-request hand-over tim
 # sends its prompt elsewhere, a tenth of what a taken-back request costs.
 SHED_S_PER_REQUEST = 0.0001
 HELD_SIDES_KEPT = 8  # take-back / shed sides whose requests a job keeps for retries
-
-
-@dataclass
-class StepContext:
-    """One migration step as this host sees it (the command payload, decoded)."""
-
-    step_id: str
-    attempt: int
-    kind: str
-    job_id: int
-    group: str
-    strategy: str
-    worker_ids: tuple[str, ...]
-    device_ids: tuple[str, ...]
-    handover: Mapping[str, Any]
-    spec: Mapping[str, Any] | None = None  # the job's spec, when the command carries it
-    share: float = 0.0  # shed_requests: the fraction of each listed worker's queue it gives up
-
-    @property
-    def migration_id(self) -> str:
-        return self.step_id.split(":", 1)[0]
-
-    @property
-    def side_key(self) -> str:
-        """``migration:index``: shared by a step and its compensation."""
-        return self.step_id.rsplit(":", 1)[0]
-
-    def devices_by_worker(self) -> dict[str, tuple[str, ...]]:
-        if not self.worker_ids or len(self.device_ids) % len(self.worker_ids):
-            return {}
-        per = len(self.device_ids) // len(self.worker_ids)
-        return {w: self.device_ids[k * per : (k + 1) * per] for k, w in enumerate(self.worker_ids)}
 
 
 @dataclass
