@@ -199,5 +199,7 @@ def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trai
 def test_steps_of_other_strategies_are_refused_with_a_clear_error(agents: dict[str, RayBackend]) -> None:
     payload = step(43, "m43-1", 0, "pause_workers", ["j43-rollout-w0"], [])
     payload["step"]["strategy"] = "workload"
-    with pytest.raises(StepFailed, match=r"reward workers \(restart\); workload steps \(pause_workers\) are not"):
+    with pytest.raises(
+        StepFailed, match=r"reward workers \(restart\); workload steps \(pause_workers\) are not"
+    ):
         agents["node-a"].execute_step(payload)

@@ -1,0 +1,87 @@
+"""A real job's GPUs move on the live stack: an operator moves a reward worker's GPU to the trainer
+through the REST API; the control plane plans it (the reward side restarts, the trainer grows by
+p2p), the Ray agents carry every step out on the real workers, the migration commits, and the job
+trains on with two ranks and succeeds, every iteration trained once with its weights pushed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from common.models import AuditEvent
+from jobs.models import JobState
+from scheduler.models import Migration, MigrationState
+from tests.e2e.helpers import (
+    allocation,
+    live_workers,
+    real_job,
+    start_ray_agents,
+    submit,
+    wait_migration_finished,
+    wait_released,
+    wait_running,
+)
+from tests.e2e.test_ray_job import nothing_left, wait_state
+from tests.ray_cluster import LocalRayCluster
+from tests.services import wait_until
+from tests.stack import LiveStack
+
+ITERATIONS = 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_operator_moves_a_reward_gpu_to_the_trainer_of_a_real_job(
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    spec = real_job("moving", iterations=ITERATIONS)
+    spec["components"] = [
+        {"name": "rollout", "kind": "rollout", "workers": 2},
+        {"name": "reference", "kind": "inference", "workers": 1},
+        {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
+        {
+            "name": "actor",
+            "kind": "actor",
+            "workers": 1,
+            "max_workers": 2,
+            "depends_on": ["rollout", "reward", "reference"],
+        },
+    ]
+    job = submit(live_stack, spec)
+    wait_running(live_stack, job, timeout_s=180)
+    assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
+    before = allocation(job)
+
+    status, body = live_stack.api(
+        "POST",
+        f"/api/v1/jobs/{job.pk}/migrate/",
+        {"donor": "reward", "recipient": "actor", "workers": 1, "reason": "the trainer is the bottleneck"},
+    )
+    assert status == 202, body
+    migration = wait_migration_finished(
+        live_stack, Migration.objects.get(migration_id=body["migration_id"]), 300
+    )
+    assert migration.state == MigrationState.COMMITTED, (migration.error, live_stack.logs())
+    moved = set(migration.device_uids)
+    assert len(live_workers(job, "actor")) == 2 and len(live_workers(job, "reward")) == 1
+    assert allocation(job)["actor"] == before["actor"] | moved
+    verbs = set(
+        AuditEvent.objects.filter(
+            object_type=Migration._meta.label_lower, object_id=str(migration.pk)
+        ).values_list("verb", flat=True)
+    )
+    assert {"migration.plan", "migration.commit"} <= verbs, verbs
+
+    wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
+    status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
+    assert status == 200, results
+    # Every iteration trained once, on the full batch, and pushed: one weight version per step,
+    # across the migration (the new rank took the old one's step count and optimizer state).
+    assert [r["iteration"] for r in results] == list(range(ITERATIONS))
+    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(ITERATIONS)]
+    assert all(r["metrics"]["samples"] == 128 for r in results)
+
+    wait_released(live_stack, job)
+    assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
