@@ -21,10 +21,10 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from runtime.engine.client import EngineClient, GenerateResult
@@ -217,14 +217,139 @@ class RolloutSample:
     weight_versions: tuple[str | None, ...]
     finish_type: str
     text: str
+    # How many requests it took: more than one when a workload migration moved it mid-generation.
+    attempts: int = 1
 
     @property
     def group_id(self) -> str:
         return f"p{self.prompt_index}"
 
 
+class EnginePool:
+    """The rollout engines a rollout spreads over, by name, and what it has in flight on each.
+
+    A workload migration changes the pool while requests run (runtime/rl/migration notes in
+    docs/ray-backend.md): ``drain`` stops routing to engines (their requests in flight finish, or
+    come back aborted with their partial output and are resumed elsewhere), ``add`` brings new
+    engines in, ``remove`` forgets drained ones. ``names`` lists every engine the pool ever had,
+    in order, so a sample's ``engine`` index stays meaningful across changes."""
+
+    def __init__(self, clients: Mapping[str, EngineClient], wait_s: float = 300.0) -> None:
+        if not clients:
+            raise ValueError("at least one engine is needed")
+        self.wait_s = wait_s
+        self._changed = threading.Condition()
+        self._clients: dict[str, EngineClient] = dict(clients)
+        self.names: list[str] = list(clients)
+        self._draining: set[str] = set()
+        self._outstanding: dict[str, int] = dict.fromkeys(clients, 0)
+
+    @classmethod
+    def of(cls, engines: Sequence[EngineClient] | EnginePool) -> EnginePool:
+        if isinstance(engines, EnginePool):
+            return engines
+        return cls({f"engine-{i}": client for i, client in enumerate(engines)})
+
+    def active(self) -> list[tuple[str, EngineClient]]:
+        with self._changed:
+            return [(n, c) for n, c in self._clients.items() if n not in self._draining]
+
+    def clients(self) -> list[EngineClient]:
+        """Every engine in the pool (draining ones too: they still hold weights to check)."""
+        with self._changed:
+            return list(self._clients.values())
+
+    def named_clients(self) -> dict[str, EngineClient]:
+        with self._changed:
+            return dict(self._clients)
+
+    @contextmanager
+    def acquire(self) -> Iterator[tuple[int, EngineClient]]:
+        """The active engine with the fewest of this pool's requests in flight (ties: the first
+        by name order); waits while none is active (a migration between removing and adding)."""
+        with self._changed:
+            if not self._changed.wait_for(
+                lambda: any(n not in self._draining for n in self._clients), timeout=self.wait_s
+            ):
+                raise RolloutError(f"no rollout engine was in service for {self.wait_s:g} s")
+            name = min(
+                (n for n in self._clients if n not in self._draining),
+                key=lambda n: (self._outstanding[n], self.names.index(n)),
+            )
+            self._outstanding[name] += 1
+            client = self._clients[name]
+        try:
+            yield self.names.index(name), client
+        finally:
+            with self._changed:
+                self._outstanding[name] -= 1
+                self._changed.notify_all()
+
+    def drain(self, names: Sequence[str]) -> None:
+        with self._changed:
+            self._draining |= set(names) & set(self._clients)
+
+    def undrain(self, names: Sequence[str]) -> None:
+        with self._changed:
+            self._draining -= set(names)
+            self._changed.notify_all()
+
+    def in_flight(self, names: Sequence[str]) -> int:
+        with self._changed:
+            return sum(self._outstanding.get(n, 0) for n in names)
+
+    def wait_idle(self, names: Sequence[str], timeout_s: float) -> bool:
+        """Until none of this pool's requests is in flight on ``names``."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: not any(self._outstanding.get(n, 0) for n in names), timeout=timeout_s
+            )
+
+    def add(self, clients: Mapping[str, EngineClient]) -> None:
+        with self._changed:
+            for name, client in clients.items():
+                self._clients[name] = client
+                self._outstanding.setdefault(name, 0)
+                self._draining.discard(name)
+                if name not in self.names:
+                    self.names.append(name)
+            self._changed.notify_all()
+
+    def remove(self, names: Sequence[str]) -> list[EngineClient]:
+        with self._changed:
+            removed = [self._clients.pop(n) for n in names if n in self._clients]
+            self._draining -= set(names)
+            return removed
+
+
+# A sample comes back aborted only when a migration took its engine away (nothing else aborts a
+# rollout request); it is resumed elsewhere, a bounded number of times.
+MAX_RESUMES = 8
+
+
+@dataclass
+class _Partial:
+    """What one sample generated so far, over its attempts."""
+
+    attempt: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str | None] = field(default_factory=list)
+    finish_type: str = ""
+    rid: str = ""
+    engine: int = -1
+
+    def extend(self, result: GenerateResult, engine: int) -> None:
+        self.output_ids += result.output_ids
+        self.logprobs += result.output_logprobs
+        self.versions += result.token_weight_versions()
+        self.finish_type = result.finish_type
+        self.rid = result.rid
+        self.engine = engine
+
+
 def rollout(
-    engines: Sequence[EngineClient],
+    engines: Sequence[EngineClient] | EnginePool,
     problems: Sequence[Problem],
     config: RLJobConfig,
     job_id: str,
@@ -236,56 +361,84 @@ def rollout(
     Each prompt's group goes to the rollout engine with the fewest of this call's groups in
     flight, as one batch ``/generate`` (one HTTP round trip per group rather than per sample,
     and the group's shared prompt is prefilled once into the engine's prefix cache); the engines
-    batch all of them continuously. Every sample has its own rid and sampling seed, so which
-    engine served it, and in which order, changes nothing.
+    batch all of them continuously. Every sample has its own rid and sampling seed.
+
+    A sample that comes back aborted (a workload migration paused its engine) is resumed on
+    another engine, as slime, AReaL, RLinf and ROLL do: prompt + partial output as its
+    ``input_ids``, ``max_new_tokens`` less what it already generated (finished as ``length``
+    when nothing is left), under the next attempt's rid. Its tokens are the partial output
+    followed by the continuation, with each token's log-prob and weight version.
     """
-    if not engines:
-        raise ValueError("a rollout needs at least one engine")
+    pool = EnginePool.of(engines)
     prompts = [TOKENIZER.encode(problem.prompt_text, add_bos=True) for problem in problems]
 
-    def group(prompt: int) -> Callable[[EngineClient], list[GenerateResult]]:
-        samples = range(config.group_size)
+    def group(prompt: int) -> list[_Partial]:
+        partials = [_Partial() for _ in range(config.group_size)]
+        pending = list(range(config.group_size))
+        while pending:
+            batch_inputs, batch_params, rids = [], [], []
+            for sample in list(pending):
+                partial = partials[sample]
+                left = config.max_new_tokens - len(partial.output_ids)
+                if left <= 0:  # its partial output already used the whole budget
+                    partial.finish_type = "length"
+                    pending.remove(sample)
+                    continue
+                params = config.sampling_params(sample_seed(config, iteration, prompt, sample))
+                params["max_new_tokens"] = left
+                batch_inputs.append([*prompts[prompt], *partial.output_ids])
+                batch_params.append(params)
+                rids.append(sample_rid(job_id, iteration, prompt, sample, partial.attempt))
+            if not batch_inputs:
+                break
+            with pool.acquire() as (engine, client):
+                results = client.generate_batch(batch_inputs, batch_params, rids=rids, return_logprob=True)
+            if len(results) != len(batch_inputs):
+                raise RolloutError(
+                    f"engine {client.base_url} answered {len(results)} of {len(batch_inputs)} requests"
+                )
+            resumed = []
+            for sample, result in zip(list(pending), results, strict=True):
+                partial = partials[sample]
+                if len(result.output_logprobs) != len(result.output_ids):
+                    raise RolloutError(
+                        f"sample {result.rid!r} has log-probs for {len(result.output_logprobs)} of "
+                        f"{len(result.output_ids)} tokens"
+                    )
+                partial.extend(result, engine)
+                if result.aborted:
+                    partial.attempt += 1
+                    if partial.attempt > MAX_RESUMES:
+                        raise RolloutError(f"sample {result.rid!r} was aborted {partial.attempt} times")
+                    resumed.append(sample)
+            pending = resumed
+        for partial in partials:
+            if not partial.output_ids:
+                raise RolloutError(f"sample {partial.rid!r} came back {partial.finish_type} with no tokens")
+        return partials
 
-        def call(client: EngineClient) -> list[GenerateResult]:
-            return client.generate_batch(
-                [prompts[prompt]] * config.group_size,
-                [config.sampling_params(sample_seed(config, iteration, prompt, s)) for s in samples],
-                rids=[sample_rid(job_id, iteration, prompt, s) for s in samples],
-                return_logprob=True,
-            )
-
-        return call
-
-    answers = _run_spread(engines, [group(prompt) for prompt in range(len(problems))], max_concurrency)
+    if not problems:
+        return []
+    with ThreadPoolExecutor(
+        max_workers=min(len(problems), max_concurrency), thread_name_prefix="rollout"
+    ) as workers:
+        answers = list(workers.map(group, range(len(problems))))
     samples: list[RolloutSample] = []
-    for prompt, (engine, results) in enumerate(answers):
-        if len(results) != config.group_size:
-            raise RolloutError(
-                f"engine {engines[engine].base_url} answered {len(results)} of a group's requests"
-            )
-        for sample, result in enumerate(results):
-            if result.aborted or not result.output_ids:
-                raise RolloutError(
-                    f"sample {result.rid!r} on engine {engines[engine].base_url} came back "
-                    f"{result.finish_type} with {len(result.output_ids)} tokens"
-                )
-            if len(result.output_logprobs) != len(result.output_ids):
-                raise RolloutError(
-                    f"sample {result.rid!r} has log-probs for {len(result.output_logprobs)} of "
-                    f"{len(result.output_ids)} tokens"
-                )
+    for prompt, partials in enumerate(answers):
+        for sample, partial in enumerate(partials):
             samples.append(
                 RolloutSample(
                     prompt_index=prompt,
                     sample_index=sample,
-                    rid=result.rid,
-                    engine=engine,
+                    rid=partial.rid,
+                    engine=partial.engine,
                     prompt_ids=tuple(prompts[prompt]),
-                    response_ids=tuple(result.output_ids),
-                    logprobs=tuple(result.output_logprobs),
-                    weight_versions=tuple(result.token_weight_versions()),
-                    finish_type=result.finish_type,
-                    text=TOKENIZER.decode(result.output_ids),
+                    response_ids=tuple(partial.output_ids),
+                    logprobs=tuple(partial.logprobs),
+                    weight_versions=tuple(partial.versions),
+                    finish_type=partial.finish_type,
+                    text=TOKENIZER.decode(partial.output_ids),
+                    attempts=partial.attempt + 1,
                 )
             )
     return samples
@@ -380,6 +533,9 @@ class IterationReport:
     clip_fraction: float
     grad_norm: float
     stale_token_fraction: float
+    # Samples a workload migration moved mid-generation (resumed on another engine after their
+    # partial output).
+    resumed_samples: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -443,7 +599,7 @@ def run_iteration(
     config: RLJobConfig,
     job_id: str,
     iteration: int,
-    engines: Sequence[EngineClient],
+    engines: Sequence[EngineClient] | EnginePool,
     reward: RewardScorer,
     reference: ReferenceScorer | None,
     trainer: TrainerGroup,
@@ -456,7 +612,8 @@ def run_iteration(
         raise ValueError("kl_coef > 0 needs a reference scorer")
     problems = iteration_problems(config, iteration)
     started = time.perf_counter()
-    samples = rollout(engines, problems, config, job_id, iteration)
+    pool = EnginePool.of(engines)
+    samples = rollout(pool, problems, config, job_id, iteration)
     generated = time.perf_counter()
     rewards = reward.score([(problems[s.prompt_index], s.text) for s in samples])
     rewarded = time.perf_counter()
@@ -470,7 +627,7 @@ def run_iteration(
     pushed = time.perf_counter()
     if version != metrics.weight_version:
         raise WeightVersionMismatchError(metrics.weight_version, {"trainer push": version})
-    verify_weight_versions(engines, version)
+    verify_weight_versions(pool.clients(), version)
     verified = time.perf_counter()
 
     groups: dict[int, set[float]] = {}
@@ -493,7 +650,7 @@ def run_iteration(
         truncated=sum(1 for sample in samples if sample.finish_type == "length") / len(samples),
         tokens_generated=sum(len(sample.response_ids) for sample in samples),
         tokens_trained=metrics.grpo.response_tokens,
-        samples_per_engine=tuple(engine_counts.get(index, 0) for index in range(len(engines))),
+        samples_per_engine=tuple(engine_counts.get(index, 0) for index in range(len(pool.names))),
         seconds=PhaseSeconds(
             generate=generated - started,
             reward=rewarded - generated,
@@ -508,4 +665,5 @@ def run_iteration(
         clip_fraction=metrics.grpo.clip_fraction,
         grad_norm=metrics.grad_norm,
         stale_token_fraction=metrics.stale_token_fraction,
+        resumed_samples=sum(1 for sample in samples if sample.attempts > 1),
     )

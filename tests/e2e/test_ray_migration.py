@@ -1,7 +1,9 @@
-"""A real job's GPUs move on the live stack: an operator moves a reward worker's GPU to the trainer
-through the REST API; the control plane plans it (the reward side restarts, the trainer grows by
-p2p), the Ray agents carry every step out on the real workers, the migration commits, and the job
-trains on with two ranks and succeeds, every iteration trained once with its weights pushed."""
+"""A real job's GPUs move on the live stack, through the REST API as an operator moves them: first
+a reward worker's GPU to the trainer (the reward side restarts, the trainer grows by p2p), then
+two rollout engines' GPUs to the trainer in the middle of generation (the engines are paused and
+what they had in flight is resumed on the remaining engine, the trainer grows by p2p again). The
+Ray agents carry every step out on the real workers, both migrations commit, and the job trains
+on at four ranks and succeeds, every iteration trained once on its whole batch."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import ray
 
 from common.models import AuditEvent
-from jobs.models import JobState
+from jobs.models import Job, JobState
 from scheduler.models import Migration, MigrationState
 from tests.e2e.helpers import (
     allocation,
@@ -28,51 +30,60 @@ from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack
 
-ITERATIONS = 5
+ITERATIONS = 6
+
+
+def move(stack: LiveStack, job: Job, donor: str, workers: int) -> Migration:
+    """An operator's move of ``workers`` of ``donor``'s GPUs to the trainer, waited until it
+    committed; the trainer then owns the moved devices besides its own."""
+    before = allocation(job)
+    status, body = stack.api(
+        "POST",
+        f"/api/v1/jobs/{job.pk}/migrate/",
+        {"donor": donor, "recipient": "actor", "workers": workers, "reason": "the trainer is the bottleneck"},
+    )
+    assert status == 202, body
+    migration = wait_migration_finished(stack, Migration.objects.get(migration_id=body["migration_id"]), 300)
+    assert migration.state == MigrationState.COMMITTED, (migration.error, stack.logs())
+    assert allocation(job)["actor"] == before["actor"] | set(migration.device_uids)
+    return migration
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_operator_moves_a_reward_gpu_to_the_trainer_of_a_real_job(
+def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
     start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
     spec = real_job("moving", iterations=ITERATIONS)
     spec["components"] = [
-        {"name": "rollout", "kind": "rollout", "workers": 2},
+        {"name": "rollout", "kind": "rollout", "workers": 3, "min_workers": 1},
         {"name": "reference", "kind": "inference", "workers": 1},
         {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
         {
             "name": "actor",
             "kind": "actor",
             "workers": 1,
-            "max_workers": 2,
+            "max_workers": 4,
+            "valid_dp": [1, 2, 4],
             "depends_on": ["rollout", "reward", "reference"],
         },
     ]
     job = submit(live_stack, spec)
     wait_running(live_stack, job, timeout_s=180)
     assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
-    before = allocation(job)
-
-    status, body = live_stack.api(
-        "POST",
-        f"/api/v1/jobs/{job.pk}/migrate/",
-        {"donor": "reward", "recipient": "actor", "workers": 1, "reason": "the trainer is the bottleneck"},
-    )
-    assert status == 202, body
-    migration = wait_migration_finished(
-        live_stack, Migration.objects.get(migration_id=body["migration_id"]), 300
-    )
-    assert migration.state == MigrationState.COMMITTED, (migration.error, live_stack.logs())
-    moved = set(migration.device_uids)
-    assert len(live_workers(job, "actor")) == 2 and len(live_workers(job, "reward")) == 1
-    assert allocation(job)["actor"] == before["actor"] | moved
-    verbs = set(
-        AuditEvent.objects.filter(
-            object_type=Migration._meta.label_lower, object_id=str(migration.pk)
-        ).values_list("verb", flat=True)
-    )
-    assert {"migration.plan", "migration.commit"} <= verbs, verbs
+    committed = [
+        move(live_stack, job, "reward", workers=1),
+        move(live_stack, job, "rollout", workers=2),
+    ]
+    assert len(live_workers(job, "actor")) == 4
+    assert len(live_workers(job, "reward")) == 1 and len(live_workers(job, "rollout")) == 1
+    for migration in committed:
+        verbs = set(
+            AuditEvent.objects.filter(
+                object_type=Migration._meta.label_lower, object_id=str(migration.pk)
+            ).values_list("verb", flat=True)
+        )
+        assert {"migration.plan", "migration.commit"} <= verbs, verbs
 
     wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
     status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")

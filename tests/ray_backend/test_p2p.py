@@ -196,10 +196,10 @@ def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trai
     assert not [n for n in job_driver.job_actors(job) if n.endswith(new)]
 
 
-def test_steps_of_other_strategies_are_refused_with_a_clear_error(agents: dict[str, RayBackend]) -> None:
+def test_steps_of_an_unknown_strategy_are_refused_with_a_clear_error(agents: dict[str, RayBackend]) -> None:
     payload = step(43, "m43-1", 0, "pause_workers", ["j43-rollout-w0"], [])
-    payload["step"]["strategy"] = "workload"
+    payload["step"]["strategy"] = "teleport"
     with pytest.raises(
-        StepFailed, match=r"reward workers \(restart\); workload steps \(pause_workers\) are not"
+        StepFailed, match=r"rollout engines \(workload\); teleport steps \(pause_workers\) are not"
     ):
         agents["node-a"].execute_step(payload)

@@ -61,6 +61,7 @@ STEP_TIMEOUT_S: Final = 600.0
 DRIVER_KINDS: Final = {
     "p2p": job_driver.P2P_KINDS,
     "restart": frozenset({"drain", "undrain", "switch"}),
+    "workload": job_driver.WorkloadMigration.kinds,
 }
 SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward")
 
@@ -230,10 +231,15 @@ class RayBackend:
         ctx = parse_step(payload)
         if ctx.strategy not in DRIVER_KINDS:
             raise StepFailed(
-                f"{self.host}: the ray backend moves the trainer (p2p) and reward workers (restart); "
+                f"{self.host}: the ray backend moves the trainer (p2p), reward workers (restart) and "
+                f"rollout engines (workload); "
                 f"{ctx.strategy or 'this'} steps ({ctx.kind}) are not carried out yet"
             )
         try:
+            if ctx.strategy == "workload" and ctx.kind == "release_devices":
+                # The engines leave the rollout and the weight push first, then they stop here.
+                released = self._driver_step(ctx)
+                return {**released, "stopped": self._stop_listed(ctx)}
             if ctx.kind in DRIVER_KINDS[ctx.strategy]:
                 return self._driver_step(ctx)
             local = getattr(self, f"_step_{ctx.kind}", None)
@@ -253,6 +259,7 @@ class RayBackend:
             "attempt": ctx.attempt,
             "kind": ctx.kind,
             "strategy": ctx.strategy,
+            "group": ctx.group,
             "worker_ids": list(ctx.worker_ids),
         }
         try:
@@ -329,6 +336,12 @@ class RayBackend:
             ray.get([h.standby.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
         elif kind == "reward":
             handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
+            ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        elif kind == "rollout":
+            model, settings, requested = ray.get(driver.engine_launch.remote(), timeout=CALL_TIMEOUT_S * 5)
+            handles = [
+                self._start_actor(p, EngineWorker, model, settings, requested) for p in payloads.values()
+            ]
             ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
         else:
             raise StepFailed(

@@ -47,7 +47,7 @@ from runtime.engine.client import EngineClient, EngineError
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig, Trajectory
 from runtime.rl.job import INITIAL_WEIGHT_VERSION, RLJobConfig, warm_start_checkpoint, warm_start_weights
-from runtime.rl.loop import EngineReference, IterationReport, run_iteration
+from runtime.rl.loop import EnginePool, EngineReference, IterationReport, run_iteration
 from runtime.rl.trainer import TrainerConfig, TrainStepMetrics
 from runtime.task.arithmetic import Problem, TaskConfig
 from runtime.task.tokenizer import CharTokenizer
@@ -369,6 +369,7 @@ class JobDriver:
         self.config = rl_config(spec)
         self.groups = sorted(str(c["name"]) for c in spec.get("components", []))
         self.kinds = {str(c["name"]): str(c.get("kind", "")) for c in spec.get("components", [])}
+        self.engine = requested_engine(spec)
         self.checkpoint_dir = Path(checkpoint_dir)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -388,9 +389,11 @@ class JobDriver:
         self._ranks: list[str] = []
         self._rollout_urls: list[str] = []
         self._reward = RayReward({})
+        self._pool = EnginePool({"none": EngineClient("http://127.0.0.1:9")})  # replaced at set-up
         self._ready = threading.Event()
         self._p2p = P2pMigration(self)
         self._restart = RestartMigration(self)
+        self._workload = WorkloadMigration(self)
         self._thread = threading.Thread(target=self._run, name=f"job-{job_id}-driver", daemon=True)
         self._thread.start()
 
@@ -437,7 +440,14 @@ class JobDriver:
         outcome. Raises with a readable reason on failure."""
         if step.get("strategy") == "restart":
             return self._restart.step(step)
+        if step.get("strategy") == "workload":
+            return self._workload.step(step)
         return self._p2p.step(step)
+
+    def engine_launch(self) -> tuple[str, dict[str, Any], str]:
+        """What a new rollout engine of this job is started with: the model, the engine settings
+        and the spec's engine choice (a workload migration's start_workers)."""
+        return self.config.model.to_json(), engine_settings(self.config), self.engine
 
     def shutdown(self) -> None:
         with self._changed:
@@ -488,8 +498,14 @@ class JobDriver:
                 self._phase = "failed"
 
     def _dead_workers(self) -> list[str]:
-        """The job's workers whose actors are gone, asked of all at once."""
-        pings = {handle.__ray_ready__.remote(): name for name, handle in self._workers.items()}
+        """The job's workers whose actors are gone, asked of all at once: its current members
+        (a worker a migration stopped on purpose is not one of them)."""
+        with self._lock:
+            view = self._view
+            members = {w for _, workers in view.members.values() for w in workers} if view else set()
+            members |= set(self._ranks)
+            current = {name: handle for name, handle in self._workers.items() if name in members}
+        pings = {handle.__ray_ready__.remote(): name for name, handle in current.items()}
         if not pings:
             return []
         ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=CALL_TIMEOUT_S)
@@ -533,7 +549,7 @@ class JobDriver:
 
     def _setup(
         self, view: _View, workers: Mapping[str, Any]
-    ) -> tuple[list[EngineClient], EngineReference | None, RayReward, RayTrainerGroup]:
+    ) -> tuple[EnginePool, EngineReference | None, RayReward, RayTrainerGroup]:
         def of_kind(kind: str) -> list[str]:
             return sorted(w for k, members in view.members.values() if k == kind for w in members)
 
@@ -570,11 +586,11 @@ class JobDriver:
         self._ranks = list(actor_names)
         self._rollout_urls = [urls[n] for n in rollout_names]
         self._ready.set()
-        return [clients[n] for n in rollout_names], reference, reward, self._trainer
+        self._pool = EnginePool({n: clients[n] for n in rollout_names})
+        return self._pool, reference, reward, self._trainer
 
     def _record(self, report: IterationReport, view: _View) -> None:
-        rollout = sorted(w for k, members in view.members.values() if k == "rollout" for w in members)
-        per_engine = dict(zip(rollout, report.samples_per_engine, strict=False))
+        per_engine = dict(zip(self._pool.names, report.samples_per_engine, strict=False))
         result = report_result(report)
         with self._lock:
             self._samples = {name: (count, count) for name, count in per_engine.items()}
@@ -859,3 +875,127 @@ class RestartMigration(_OncePerStep):
         with self.driver._lock:
             self.driver._workers.update(handles)
         return {"members": sorted(workers)}
+
+
+class WorkloadMigration(_OncePerStep):
+    """The driver's side of a ``workload`` migration of the rollout (docs/ray-backend.md):
+
+    - ``pause_workers``: the leaving engines get no new requests, and SGLang's
+      ``/pause_generation`` (mode ``abort``) returns what they have in flight, aborted with its
+      partial output; the rollout resumes each such sample on the remaining engines (prompt +
+      partial output, the rest of its token budget; `runtime.rl.loop.rollout`).
+      ``resume_workers`` continues them and routes to them again;
+    - ``take_back_requests``: returns once nothing of the rollout is in flight on them;
+      ``redistribute_requests``: the rollout already did (``return_requests``: nothing to give
+      back: what moved keeps running where it went, which is equivalent);
+    - ``release_devices``: the engines leave the pool, and rank 0 opens the weight push to the
+      remaining ones (under the training gate); their agents then stop them;
+    - ``switch`` (a growing rollout): the new engines get the trainer's current weights (rank 0
+      pushes to all engines over a new group) and join the pool; ``shed_requests``: groups already
+      sent stay where they are; new ones go to the least loaded engine, the new ones first.
+    """
+
+    kinds = frozenset(
+        {
+            "pause_workers",
+            "resume_workers",
+            "take_back_requests",
+            "return_requests",
+            "redistribute_requests",
+            "release_devices",
+            "switch",
+            "shed_requests",
+        }
+    )
+
+    def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        group = str(step.get("group", ""))
+        if self.driver.kinds.get(group) != "rollout":
+            raise JobFailed(
+                f"the ray runtime moves rollout engines by workload; {group or 'this group'} "
+                f"({self.driver.kinds.get(group) or 'unknown kind'}) is not one"
+            )
+        return super()._run(step)
+
+    def _rollout_only(self, workers: list[str]) -> list[str]:
+        pool = self.driver._pool
+        return [w for w in workers if w in pool.names]
+
+    def _pause_workers(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        engines = self._rollout_only(workers)
+        self.driver._pool.drain(engines)
+        for client in self._clients(engines):
+            client.pause_generation("abort")
+        return {"paused": engines}
+
+    def _resume_workers(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        engines = self._rollout_only(workers)
+        for client in self._clients(engines):
+            client.continue_generation()
+        self.driver._pool.undrain(engines)
+        return {"resumed": engines}
+
+    def _take_back_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        engines = self._rollout_only(workers)
+        if not self.driver._pool.wait_idle(engines, MIGRATION_TIMEOUT_S):
+            raise JobFailed(
+                f"{', '.join(engines)} still had requests in flight after {MIGRATION_TIMEOUT_S:g} s"
+            )
+        return {"requests": [], "resumed_by": "rollout"}
+
+    def _return_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        return {"requests": []}
+
+    def _redistribute_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        return {"requests": 0}
+
+    def _shed_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        return {"requests": []}
+
+    def _clients(self, engines: list[str]) -> list[EngineClient]:
+        return [client for name, client in self.driver._pool.named_clients().items() if name in engines]
+
+    def _rehome_push(self, migration: str, urls: list[str], push: bool) -> None:
+        """Rank 0's weight push to exactly ``urls`` (a new group: the engines may hold the old
+        one), and the current weights sent to them when ``push``; under the training gate."""
+        driver = self.driver
+        gate = driver._trainer.gate
+        gate.hold(migration, MIGRATION_TIMEOUT_S)
+        try:
+            rank0 = driver._trainer.ranks[0]
+            ray.get(rank0.connect_engines.remote(urls, f"weights-{migration}"), timeout=MIGRATION_TIMEOUT_S)
+            if push:
+                ray.get(rank0.push_weights.remote(), timeout=MIGRATION_TIMEOUT_S)
+            driver._rollout_urls = list(urls)
+        finally:
+            gate.release(migration)
+
+    def _release_devices(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        engines = self._rollout_only(workers)
+        pool = self.driver._pool
+        remaining = [client.base_url for name, client in pool.named_clients().items() if name not in engines]
+        if engines:
+            pool.remove(engines)
+            self._rehome_push(migration, remaining, push=False)
+        return {"released": engines}
+
+    def _switch(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
+        pool = self.driver._pool
+        current = pool.named_clients()
+        new = [w for w in workers if w not in current]
+        handles = {w: worker_actor(w) for w in new}
+        urls = dict(
+            zip(
+                new,
+                ray.get([h.url.remote() for h in handles.values()], timeout=MIGRATION_TIMEOUT_S),
+                strict=True,
+            )
+        )
+        clients = {w: EngineClient(urls[w]) for w in new}
+        if new:
+            everyone = [c.base_url for c in current.values()] + [urls[w] for w in new]
+            self._rehome_push(migration, everyone, push=True)
+            pool.add(clients)
+            with self.driver._lock:
+                self.driver._workers.update(handles)
+        return {"members": sorted(pool.named_clients())}

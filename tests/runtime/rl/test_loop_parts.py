@@ -4,15 +4,18 @@ spreads the rollout, and that it refuses to go on when an engine did not get the
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from runtime.engine.model import gpt_from_weights
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.job import RLJobConfig, iteration_problems, warm_start_weights
 from runtime.rl.loop import (
+    EnginePool,
     InProcessTrainerGroup,
     IterationReport,
     LengthStats,
@@ -25,6 +28,7 @@ from runtime.rl.weight_push import WeightPusher
 from runtime.task.arithmetic import TaskConfig, score
 from runtime.task.tokenizer import CharTokenizer
 from tests.runtime.rl.local_job import TIMEOUT_S, free_port, local_job
+from tests.services import wait_until
 
 torch.set_num_threads(1)
 
@@ -158,3 +162,49 @@ def test_an_engine_left_out_of_the_push_stops_the_job(warm_start_cache: Path) ->
         # The full group brings every engine to the trainer's version, and the check passes.
         assert job.group.push_weights() == "1"
         verify_weight_versions(job.engines, "1")
+
+
+def test_a_workload_move_mid_generation_completes_every_sample_once_resumed_after_its_partial_output(
+    warm_start_cache: Path,
+) -> None:
+    """Engine 0 is paused (abort) in the middle of the rollout and leaves the pool, as a workload
+    migration's pause_workers does: what it had in flight comes back with its partial output and
+    is resumed on engine 1; no sample is lost or duplicated."""
+    config = dataclasses.replace(CONFIG, max_new_tokens=40, temperature=1.0)
+    weights = warm_start_weights(config, warm_start_cache)
+    problems = iteration_problems(config, 0)
+    model = gpt_from_weights(config.model, weights)
+    with local_job(config, weights, rollout_engines=2) as job:
+        pool = EnginePool({"a": job.engines[0], "b": job.engines[1]})
+        job.engines[0].slow_down(0.02)  # long enough to be caught mid-generation
+        with ThreadPoolExecutor(1) as runner:
+            running = runner.submit(rollout, pool, problems, config, "job1", 0)
+            # Caught mid-generation: engine 0 has generated part of its responses.
+            engine = job.servers[0].engine
+            assert wait_until(lambda: engine.state()["generated_tokens"] >= 40, timeout_s=TIMEOUT_S)
+            pool.drain(["a"])
+            job.engines[0].pause_generation("abort")
+            samples = running.result(TIMEOUT_S)
+        assert pool.wait_idle(["a"], 1.0)
+        pool.remove(["a"])
+    # Every sample once, in order.
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (p, s) for p in range(config.prompts_per_iteration) for s in range(config.group_size)
+    ]
+    assert len({s.rid for s in samples}) == len(samples)
+    resumed = [s for s in samples if s.attempts > 1]
+    assert resumed, "nothing was in flight on the paused engine"
+    for sample in resumed:
+        assert sample.engine == 1 and sample.rid.endswith(f"-a{sample.attempts - 1:03d}.")
+        # Its tokens are one response: the continuation was generated after the partial output.
+        # Each token's log-prob, as the two engines reported it, is the model's for that token
+        # given the prompt and every token before it (a cache-free forward of the whole thing).
+        sequence = [*sample.prompt_ids, *sample.response_ids]
+        log_probs = torch.log_softmax(model.full_logits(sequence), dim=-1)
+        expected = [
+            float(log_probs[len(sample.prompt_ids) + i - 1, token])
+            for i, token in enumerate(sample.response_ids)
+        ]
+        assert sample.logprobs == pytest.approx(expected, abs=1e-4)
+        assert len(sample.weight_versions) == len(sample.response_ids)
+        assert len(sample.response_ids) <= config.max_new_tokens
