@@ -64,7 +64,7 @@ def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
             "kind": "actor",
             "workers": 1,
             "max_workers": 4,
-            "valid_dp": [1, 2, 4],
+            "parallelism": {"valid_dp": [1, 2, 4]},
             "depends_on": ["rollout", "reward", "reference"],
         },
     ]
