@@ -57,7 +57,7 @@ from controlplane.processes import local_ray_cluster_command, ray_agent_command
 from jobs.spec import parse_spec
 
 NODES = ("bench-ray-0", "bench-ray-1")
-POLICIES = ("static-disaggregated", "static-colocated")
+POLICIES = ("static-disaggregated", "static-colocated", "dynarl")
 NAMESPACE = "dynarl-bench"
 
 
@@ -66,17 +66,22 @@ class PolicyRun:
     policy: str
     wall_s: float
     results: list[dict[str, Any]]
-    devices: dict[str, int]  # component kind -> devices it holds (time-shared ones count for each holder)
+    # component kind -> GPU-seconds it held over the run, from the job's ownership timeline
+    # (time-shared devices count for each holder; a migration's moves are in it)
+    held_s: dict[str, float]
     total_devices: int
     state: str
     detail: str = ""
     lengths: Counter[int] = field(default_factory=Counter)
+    moves: Counter[str] = field(default_factory=Counter)  # "<strategy> <state>" -> migrations
+    decisions: int = 0
 
 
 def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, Any]:
     """The real job (the live test's and the ray demo's), placed as ``policy`` places it on
     ``2 × gpus`` GPUs."""
     total = 2 * gpus
+    components: list[dict[str, Any]]
     if policy == "static-colocated":
         components = [
             {"name": "rollout", "kind": "rollout", "placement": f"0-{total - 1}"},
@@ -101,6 +106,12 @@ def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, An
                 "depends_on": ["rollout", "reward", "reference"],
             },
         ]
+        if policy != "static-disaggregated":
+            # A moving policy starts from the same split, within bounds it may move in: the rollout
+            # keeps one engine, and the trainer grows only to sizes its global batch splits over.
+            components[0]["min_workers"] = 1
+            sizes = [n for n in (1, 2, 4, 8) if n <= total - 3]
+            components[3].update({"max_workers": sizes[-1], "parallelism": {"valid_dp": sizes}})
     return {
         "name": f"bench-real-{policy}",
         "backend": "ray",
@@ -195,6 +206,8 @@ def run_policy(
     from common.audit import Actor
     from jobs.models import IterationResult, Worker, WorkerState
     from jobs.services import submit_job
+    from scheduler.models import Migration, SchedulingDecision
+    from scheduler.selectors import job_timeline
 
     began = timezone.now()
     tag = f"{plane.tag}-{policy.split('-')[-1]}"
@@ -229,9 +242,19 @@ def run_policy(
         live = Worker.objects.filter(group__job=job).exclude(state=WorkerState.STOPPED)
         wait_for(lambda: not live.exists(), 120, "the job's workers to stop", watched, workdir)
         results = [dict(row.metrics) for row in IterationResult.objects.filter(job=job).order_by("iteration")]
-        devices = devices_by_kind(spec)
         started, finished = job.started_at, job.finished_at or job.started_at
         wall = (finished - started).total_seconds() if started and finished else float("nan")
+        held: dict[str, float] = {}
+        if started and finished:
+            for segment in job_timeline(job).segments:
+                begin, end = max(segment.start, started), min(segment.end or finished, finished)
+                if end > begin:
+                    held[segment.kind] = held.get(segment.kind, 0.0) + (end - begin).total_seconds()
+        moves: Counter[str] = Counter(
+            f"{strategy} {state}"
+            for strategy, state in Migration.objects.filter(job=job).values_list("strategy", "state")
+        )
+        decisions = SchedulingDecision.objects.filter(job=job).count()
         lengths: Counter[int] = Counter()
         for result in results:
             for bucket, count in result["response_length"]["histogram"]:
@@ -240,28 +263,18 @@ def run_policy(
             policy=policy,
             wall_s=wall,
             results=results,
-            devices=devices,
+            held_s=held,
             total_devices=len(NODES) * args.gpus,
             state=job.state,
             detail=job.state_detail,
             lengths=lengths,
+            moves=moves,
+            decisions=decisions,
         )
     finally:
         for proc in agents:
             stop_process(proc, timeout_s=60)
         cleanup(cluster)
-
-
-def devices_by_kind(spec: dict[str, Any]) -> dict[str, int]:
-    """The devices each kind of component holds as the spec places it (a time-shared device
-    counts for each of its holders)."""
-    held: Counter[str] = Counter()
-    for component in parse_spec(spec).components:
-        count = len(component.placement) if component.placement is not None else (component.workers or 0)
-        held[component.kind.value] += count * (
-            1 if component.placement is not None else component.gpus_per_worker
-        )
-    return dict(held)
 
 
 # Which component's devices each phase of an iteration keeps busy.
@@ -294,10 +307,20 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
             f"| {run.policy} | {run.state} | {run.wall_s:.1f} | {generated / run.wall_s:.0f} | "
             f"{samples / run.wall_s:.2f} | {first:.3f} -> {last['mean_reward']:.3f} | {last['accuracy']:.3f} |"
         )
-    lines += ["", "Device time (GPUs x wall) by component: busy in its phases, the rest idle", ""]
+    lines += ["", "Scheduling: decisions recorded and migrations by strategy and outcome", ""]
+    lines += ["| placement | decisions | migrations |", "|---|---|---|"]
+    for run in runs:
+        moves = ", ".join(f"{key}: {count}" for key, count in sorted(run.moves.items())) or "none"
+        lines.append(f"| {run.policy} | {run.decisions} | {moves} |")
     lines += [
-        "| placement | component | GPUs | busy GPU-s | share of its GPU-s busy | share of all GPU-s |",
-        "|---|---|---|---|---|---|",
+        "",
+        "Device time by component: GPU-s held (from the job's ownership timeline: moves included), "
+        "busy in its phases (phase time x the GPUs it held on average), the rest idle",
+        "",
+    ]
+    lines += [
+        "| placement | component | GPUs (mean) | held GPU-s | busy GPU-s | share of its GPU-s busy | share of all GPU-s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if not run.results:
@@ -307,13 +330,13 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
         for result in run.results:
             for phase, seconds in result["seconds"].items():
                 component = PHASE_COMPONENT.get(phase)
-                if component in run.devices:
-                    busy[component] = busy.get(component, 0.0) + seconds * run.devices[component]
-        for component, count in sorted(run.devices.items()):
-            held = count * run.wall_s
+                if component in run.held_s:
+                    busy[component] = busy.get(component, 0.0) + seconds * run.held_s[component] / run.wall_s
+        for component, held in sorted(run.held_s.items()):
             spent = busy.get(component, 0.0)
             lines.append(
-                f"| {run.policy} | {component} | {count} | {spent:.1f} | {spent / held:.0%} | {spent / total:.0%} |"
+                f"| {run.policy} | {component} | {held / run.wall_s:.2f} | {held:.1f} | {spent:.1f} | "
+                f"{spent / held:.0%} | {spent / total:.0%} |"
             )
     lines += ["", "Response lengths over all iterations (tokens; buckets are powers of two)", ""]
     buckets = sorted({b for run in runs for b in run.lengths})

@@ -14,11 +14,15 @@ ranks start first, on standby (`Trainer(config, None)`: model and optimizer, no 
    - the trainer's step count (its weight version) and the torch RNG state;
    - the caller's ``cursor`` (the job's data position: iteration, samples consumed), opaque here.
 
-   Tensors travel as one flat buffer per kind (few large messages, near the link's bandwidth).
-2. **Verify.** The header carries a SHA-256 of every buffer; each receiver checks what it got
-   before touching its own state, and the group agrees on the outcome (an all-reduce of the
-   receivers' verdicts): every rank raises `TransferFailed` unless all of them verified. Only then
-   does a receiver load the state, so a transfer that fails leaves no rank half-loaded.
+   Tensors travel as they live in the rank, posted back to back (the link stays busy; no staging
+   copy on either end: a receiver receives into its own parameters and optimizer state).
+2. **Verify.** Every tensor's CRC-32 is computed on both ends while the next ones are on the wire
+   (so checking costs little time of its own), and the sender's follow the data; each receiver
+   compares, and the group agrees on the outcome (an all-reduce of the receivers' verdicts): every
+   rank raises `TransferFailed` unless all of them verified, and only then do the receivers take
+   the step counts, settings, step and RNG. A failed transfer leaves the old ranks untouched (the
+   sender only reads) and the new ones unusable, which the rollback then destroys.
+   (`state_checksums`, a SHA-256 of each flattened buffer, compares whole ranks afterwards.)
 3. **Switch** (the caller, after this returns everywhere): every rank of the new layout calls
    `Trainer.regroup` with a fresh generation of the DP group at the new size (same global batch,
    micro-batches re-split); ranks that leave drop theirs. A failure before the switch kills the
@@ -33,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -43,8 +48,7 @@ from torch._C import _distributed_c10d as c10d
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, create_data_parallel_group
 
 SENDER: Final = 0
-_FORMAT: Final = 1
-_KINDS: Final = ("parameters", "exp_avg", "exp_avg_sq", "adam_step")
+_FORMAT: Final = 3
 
 
 class TransferFailed(RuntimeError):
@@ -75,7 +79,7 @@ class TransferReport:
 
     bytes: int
     seconds: float  # from the group's rendezvous to the verdict
-    checksums: Mapping[str, str]  # SHA-256 of each buffer, as sent
+    checksums: Mapping[str, str]  # per kind of tensor, a digest of their CRC-32s as sent
     cursor: Mapping[str, Any]
     step: int
 
@@ -114,11 +118,23 @@ def _rng_state(device: torch.device) -> torch.Tensor:
 
 
 def _layout(trainer: Trainer) -> list[list[Any]]:
-    return [[name, list(p.shape)] for name, p in trainer.module.named_parameters()]
+    return [
+        [name, list(p.shape), str(p.dtype).removeprefix("torch.")]
+        for name, p in trainer.module.named_parameters()
+    ]
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    """SHA-256 of a tensor's bytes (read in place on the CPU, no copy)."""
+    host = tensor.detach().cpu().contiguous()
+    return hashlib.sha256(host.numpy().data.cast("B")).hexdigest()
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of a chunk's bytes: what the transfer checks each chunk by (zlib's, which releases
+    the GIL, so it runs while the next chunks are on the wire)."""
+    host = tensor.detach().cpu().contiguous()
+    return zlib.crc32(host.numpy().data.cast("B"))
 
 
 def _broadcast_bytes(group: c10d.ProcessGroup, payload: bytes | None, device: torch.device) -> bytes:
@@ -140,13 +156,32 @@ def _agree(group: c10d.ProcessGroup, ok: bool, device: torch.device) -> bool:
     return float(verdict.item()) == 0.0
 
 
+def _wire(trainer: Trainer) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a transfer moves, in order, as they live in the rank: the parameters, then each
+    one's AdamW ``exp_avg`` and ``exp_avg_sq``. A receiver receives into its own in place."""
+    parameters = [p.data for p in trainer.module.parameters()]
+    states = _optimizer_state(trainer)
+    return (
+        [("parameters", p) for p in parameters]
+        + [("exp_avg", s["exp_avg"]) for s in states]
+        + [("exp_avg_sq", s["exp_avg_sq"]) for s in states]
+    )
+
+
 def transfer_state(
     trainer: Trainer, rendezvous: TransferRendezvous, cursor: Mapping[str, Any] | None = None
 ) -> TransferReport:
     """Run this rank's part of a transfer: rank 0 sends ``trainer``'s state and ``cursor``; every
     other rank receives into its standby ``trainer``. Returns once all agreed the state arrived
-    whole (receivers have then loaded it); raises `TransferFailed` otherwise, or the group's error
-    when a peer dies (the caller then abandons the migration)."""
+    whole; raises `TransferFailed` otherwise, or the group's error when a peer dies (the caller then
+    abandons the migration, and its new ranks with it).
+
+    The wire: a JSON header (layout, settings, step, cursor), then every tensor as it lives in the
+    rank, all posted at once so they stream back to back (no staging copy on either end: a
+    receiver receives into its own parameters and optimizer state), each tensor's CRC-32 computed
+    as soon as it is there (the sender's as they leave), then the AdamW step counts and the RNG
+    state, then the sender's CRCs; each receiver compares, and the group agrees on the verdict. The
+    step counts, settings, step and RNG are applied only then. The sender only reads."""
     device = trainer.device
     group = create_data_parallel_group(
         DataParallelRendezvous(
@@ -160,78 +195,83 @@ def transfer_state(
     )
     started = time.perf_counter()
     sending = rendezvous.rank == SENDER
-    mine = _buffers(trainer)
     header: dict[str, Any] | None = None
     if sending:
-        rng = _rng_state(device)
         header = {
             "format": _FORMAT,
             "layout": _layout(trainer),
-            "sizes": {kind: int(mine[kind].numel()) for kind in _KINDS},
-            "checksums": {kind: _digest(mine[kind]) for kind in _KINDS} | {"rng": _digest(rng)},
             "step": trainer.step,
             "param_groups": [
                 {key: value for key, value in group_.items() if key != "params"}
                 for group_ in trainer.optimizer.param_groups
             ],
             "cursor": dict(cursor or {}),
-            "rng_bytes": int(rng.numel()),
+            "rng_bytes": int(_rng_state(device).numel()),
         }
     header = json.loads(
         _broadcast_bytes(group, None if header is None else json.dumps(header).encode(), device)
     )
     assert header is not None
-    problem = ""
     if not sending and header.get("format") != _FORMAT:
-        problem = f"transfer format {header.get('format')}, this rank reads {_FORMAT}"
-    elif not sending and header["layout"] != _layout(trainer):
-        problem = "the sender's model has other parameters or shapes than this rank's"
-    received: dict[str, torch.Tensor] = {}
-    total = 0
-    for kind in _KINDS:
-        buffer = mine[kind].to(device)
-        if buffer.numel() != header["sizes"][kind]:  # a layout mismatch, already named above
-            buffer = torch.empty(header["sizes"][kind], dtype=torch.float32, device=device)
-        group.broadcast(buffer, SENDER).wait()
-        received[kind] = buffer.cpu()
-        total += buffer.numel() * buffer.element_size()
-    rng_state = _rng_state(device) if sending else torch.empty(header["rng_bytes"], dtype=torch.uint8)
-    rng_buffer = rng_state.to(device)
-    group.broadcast(rng_buffer, SENDER).wait()
-    total += int(rng_buffer.numel())
-    if not sending and not problem:
-        wrong = [kind for kind in _KINDS if _digest(received[kind]) != header["checksums"][kind]]
-        if _digest(rng_buffer.cpu()) != header["checksums"]["rng"]:
-            wrong.append("rng")
+        raise TransferFailed(f"transfer format {header.get('format')}, this rank reads {_FORMAT}")
+    if not sending and header["layout"] != _layout(trainer):
+        # Nothing can be received into this model: the sender's first broadcast then fails or
+        # its verdict never comes, and the migration is abandoned.
+        raise TransferFailed("the sender's model has other parameters or shapes than this rank's")
+    wire = _wire(trainer)
+    states = _optimizer_state(trainer)
+    if sending:
+        steps = torch.stack([torch.as_tensor(s["step"], dtype=torch.float32).cpu() for s in states]).to(
+            device
+        )
+        rng = _rng_state(device).to(device)
+    else:
+        steps = torch.empty(len(states), dtype=torch.float32, device=device)
+        rng = torch.empty(int(header["rng_bytes"]), dtype=torch.uint8, device=device)
+    tensors = [*wire, ("adam_step", steps), ("rng", rng)]
+    works = [group.broadcast(tensor, SENDER) for _, tensor in tensors]
+    crcs: list[int] = []
+    for (_, tensor), work in zip(tensors, works, strict=True):
+        if not sending:
+            work.wait()
+        crcs.append(_crc(tensor))
+    for work in works:
+        work.wait()
+    sent = json.loads(_broadcast_bytes(group, json.dumps(crcs).encode() if sending else None, device))
+    problem = ""
+    if not sending:
+        wrong = sorted(
+            {kind for (kind, _), mine, theirs in zip(tensors, crcs, sent, strict=True) if mine != theirs}
+        )
         if wrong:
             problem = f"checksum mismatch in {', '.join(wrong)}"
     if not _agree(group, not problem, device):
         raise TransferFailed(problem or "another receiver did not get the state whole")
     if not sending:
-        _load(trainer, received, header, rng_buffer.cpu())
+        _apply(trainer, states, steps.cpu(), header, rng.cpu())
+    by_kind: dict[str, list[int]] = {}
+    for (kind, _), crc in zip(tensors, sent, strict=True):
+        by_kind.setdefault(kind, []).append(crc)
     return TransferReport(
-        bytes=total,
+        bytes=sum(tensor.numel() * tensor.element_size() for _, tensor in tensors),
         seconds=time.perf_counter() - started,
-        checksums=dict(header["checksums"]),
+        checksums={kind: f"{zlib.crc32(json.dumps(crcs_).encode()):08x}" for kind, crcs_ in by_kind.items()},
         cursor=dict(header["cursor"]),
         step=int(header["step"]),
     )
 
 
 @torch.no_grad()
-def _load(
-    trainer: Trainer, buffers: Mapping[str, torch.Tensor], header: Mapping[str, Any], rng: torch.Tensor
+def _apply(
+    trainer: Trainer,
+    states: list[dict[str, Any]],
+    steps: torch.Tensor,
+    header: Mapping[str, Any],
+    rng: torch.Tensor,
 ) -> None:
-    offset = 0
-    states = _optimizer_state(trainer)
-    for index, (parameter, state) in enumerate(zip(trainer.module.parameters(), states, strict=True)):
-        count = parameter.numel()
-        window = slice(offset, offset + count)
-        parameter.copy_(buffers["parameters"][window].view_as(parameter))
-        state["exp_avg"].copy_(buffers["exp_avg"][window].view_as(parameter))
-        state["exp_avg_sq"].copy_(buffers["exp_avg_sq"][window].view_as(parameter))
-        state["step"] = buffers["adam_step"][index].clone()
-        offset += count
+    """What a receiver sets once the state is verified (the tensors are already in place)."""
+    for state, step in zip(states, steps, strict=True):
+        state["step"] = step.clone()
     for group, settings in zip(trainer.optimizer.param_groups, header["param_groups"], strict=True):
         for key, value in settings.items():
             group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
