@@ -32,6 +32,7 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
 import subprocess
 import tempfile
 from collections import Counter
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.backends.ray import LOOPBACK_ENV
+from agents.backends.ray.driver import rl_config
 from bench.stack import (
     ControlPlane,
     Run,
@@ -55,6 +57,7 @@ from bench.stack import (
 )
 from controlplane.processes import local_ray_cluster_command, ray_agent_command
 from jobs.spec import parse_spec
+from runtime.rl.job import warm_start_weights
 
 NODES = ("bench-ray-0", "bench-ray-1")
 POLICIES = ("static-disaggregated", "static-colocated", "dynarl")
@@ -73,8 +76,10 @@ class PolicyRun:
     state: str
     detail: str = ""
     lengths: Counter[int] = field(default_factory=Counter)
-    moves: Counter[str] = field(default_factory=Counter)  # "<strategy> <state>" -> migrations
     decisions: int = 0
+    # One per migration: strategy, state, wall s, and for a p2p side the seconds the trainer was
+    # held (its transfer_state's start to its switch's end: no train step runs between).
+    migrations: list[dict[str, Any]] = field(default_factory=list)
 
 
 def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, Any]:
@@ -164,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     plane = ControlPlane(workdir, f"real{secrets.token_hex(3)}", servers=1, worker_concurrency=1)
     try:
+        # The supervised warm start is the same for every placement (same model, task and seed):
+        # computed once here into the checkpoint directory the drivers read, so no run pays it.
+        warm_start_weights(
+            rl_config(parse_spec(job_spec(policies[0], args.iterations, args.seed, args.gpus)).to_json()),
+            workdir / "checkpoints",
+        )
         wait_for(lambda: port_open(head_port), 120, "the Ray cluster", ray_nodes, workdir)
         plane.start()
         for policy in policies:
@@ -250,10 +261,7 @@ def run_policy(
                 begin, end = max(segment.start, started), min(segment.end or finished, finished)
                 if end > begin:
                     held[segment.kind] = held.get(segment.kind, 0.0) + (end - begin).total_seconds()
-        moves: Counter[str] = Counter(
-            f"{strategy} {state}"
-            for strategy, state in Migration.objects.filter(job=job).values_list("strategy", "state")
-        )
+        migrations = [migration_row(m) for m in Migration.objects.filter(job=job).prefetch_related("steps")]
         decisions = SchedulingDecision.objects.filter(job=job).count()
         lengths: Counter[int] = Counter()
         for result in results:
@@ -268,13 +276,36 @@ def run_policy(
             state=job.state,
             detail=job.state_detail,
             lengths=lengths,
-            moves=moves,
+            migrations=migrations,
             decisions=decisions,
         )
     finally:
         for proc in agents:
             stop_process(proc, timeout_s=60)
         cleanup(cluster)
+
+
+def migration_row(migration: Any) -> dict[str, Any]:
+    """What one migration took: its wall time and, for a trainer's p2p side, how long the trainer
+    was held (no step runs from its transfer_state to its switch)."""
+    steps = [s for s in migration.steps.all() if not s.is_rollback]
+    transfer = next((s for s in steps if s.kind == "transfer_state"), None)
+    switch = (
+        next((s for s in steps if s.kind == "switch" and s.group == transfer.group), None)
+        if transfer
+        else None
+    )
+    held = None
+    if transfer is not None and transfer.started_at:
+        end = switch.finished_at if switch is not None and switch.finished_at else transfer.finished_at
+        held = (end - transfer.started_at).total_seconds() if end else None
+    return {
+        "strategy": migration.strategy,
+        "state": migration.state,
+        "wall_s": migration.duration_s,
+        "trainer_held_s": held,
+        "transfer": dict(transfer.result) if transfer is not None else {},
+    }
 
 
 # Which component's devices each phase of an iteration keeps busy.
@@ -307,11 +338,31 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
             f"| {run.policy} | {run.state} | {run.wall_s:.1f} | {generated / run.wall_s:.0f} | "
             f"{samples / run.wall_s:.2f} | {first:.3f} -> {last['mean_reward']:.3f} | {last['accuracy']:.3f} |"
         )
-    lines += ["", "Scheduling: decisions recorded and migrations by strategy and outcome", ""]
-    lines += ["| placement | decisions | migrations |", "|---|---|---|"]
+    lines += [
+        "",
+        "Scheduling: decisions recorded, and migrations by strategy (donor+recipient) and outcome",
+        "",
+    ]
+    lines += [
+        "| placement | decisions | strategy | committed | rolled back | failed | median wall s | median trainer held s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
-        moves = ", ".join(f"{key}: {count}" for key, count in sorted(run.moves.items())) or "none"
-        lines.append(f"| {run.policy} | {run.decisions} | {moves} |")
+        by_strategy: dict[str, list[dict[str, Any]]] = {}
+        for row in run.migrations:
+            by_strategy.setdefault(row["strategy"], []).append(row)
+        if not by_strategy:
+            lines.append(f"| {run.policy} | {run.decisions} | none | | | | | |")
+        for strategy, rows in sorted(by_strategy.items()):
+            states = Counter(r["state"] for r in rows)
+            walls = [r["wall_s"] for r in rows if r["wall_s"] is not None]
+            holds = [r["trainer_held_s"] for r in rows if r["trainer_held_s"] is not None]
+            wall = f"{statistics.median(walls):.1f}" if walls else "-"
+            paused = f"{statistics.median(holds):.2f}" if holds else "-"
+            lines.append(
+                f"| {run.policy} | {run.decisions} | {strategy} | {states.get('committed', 0)} | "
+                f"{states.get('rolled_back', 0)} | {states.get('failed', 0)} | {wall} | {paused} |"
+            )
     lines += [
         "",
         "Device time by component: GPU-s held (from the job's ownership timeline: moves included), "

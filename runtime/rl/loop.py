@@ -225,6 +225,10 @@ class RolloutSample:
         return f"p{self.prompt_index}"
 
 
+# Called as the rollout goes: per engine, (samples finished, samples finished or in flight).
+RolloutProgress = Callable[[dict[str, tuple[int, int]]], None]
+
+
 class EnginePool:
     """The rollout engines a rollout spreads over, by name, and what it has in flight on each.
 
@@ -355,6 +359,7 @@ def rollout(
     job_id: str,
     iteration: int,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    progress: RolloutProgress | None = None,
 ) -> list[RolloutSample]:
     """``config.group_size`` samples of every problem, prompt-major.
 
@@ -371,6 +376,16 @@ def rollout(
     """
     pool = EnginePool.of(engines)
     prompts = [TOKENIZER.encode(problem.prompt_text, add_bos=True) for problem in problems]
+    counts: dict[str, list[int]] = {}  # engine -> [samples finished, samples in flight]
+    counting = threading.Lock()
+
+    def count(engine: int, finished: int, in_flight: int) -> None:
+        with counting:  # held while reporting too, so reports arrive in the order they happened
+            entry = counts.setdefault(pool.names[engine], [0, 0])
+            entry[0] += finished
+            entry[1] += in_flight
+            if progress is not None:
+                progress({name: (done, done + running) for name, (done, running) in counts.items()})
 
     def group(prompt: int) -> list[_Partial]:
         partials = [_Partial() for _ in range(config.group_size)]
@@ -392,7 +407,14 @@ def rollout(
             if not batch_inputs:
                 break
             with pool.acquire() as (engine, client):
-                results = client.generate_batch(batch_inputs, batch_params, rids=rids, return_logprob=True)
+                count(engine, 0, len(batch_inputs))
+                try:
+                    results = client.generate_batch(
+                        batch_inputs, batch_params, rids=rids, return_logprob=True
+                    )
+                finally:
+                    count(engine, 0, -len(batch_inputs))
+            count(engine, sum(1 for result in results if not result.aborted), 0)
             if len(results) != len(batch_inputs):
                 raise RolloutError(
                     f"engine {client.base_url} answered {len(results)} of {len(batch_inputs)} requests"
@@ -603,6 +625,7 @@ def run_iteration(
     reward: RewardScorer,
     reference: ReferenceScorer | None,
     trainer: TrainerGroup,
+    progress: RolloutProgress | None = None,
 ) -> IterationReport:
     """One iteration of the job: generate ``group_size`` responses to each of the iteration's
     problems on the rollout ``engines``, score them, ask the reference for its log-probs (only
@@ -613,7 +636,7 @@ def run_iteration(
     problems = iteration_problems(config, iteration)
     started = time.perf_counter()
     pool = EnginePool.of(engines)
-    samples = rollout(pool, problems, config, job_id, iteration)
+    samples = rollout(pool, problems, config, job_id, iteration, progress=progress)
     generated = time.perf_counter()
     rewards = reward.score([(problems[s.prompt_index], s.text) for s in samples])
     rewarded = time.perf_counter()

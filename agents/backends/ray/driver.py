@@ -532,7 +532,14 @@ class JobDriver:
                 continue  # opened past (a driver restarted mid-job): already trained
             self._set(phase="generating", iteration=iteration, samples={}, trained_samples=0)
             report = run_iteration(
-                self.config, f"j{self.job_id}", iteration, engines, reward, reference, trainer
+                self.config,
+                f"j{self.job_id}",
+                iteration,
+                engines,
+                reward,
+                reference,
+                trainer,
+                progress=self._rollout_progress,
             )
             self._record(report, view)
 
@@ -588,6 +595,12 @@ class JobDriver:
         self._ready.set()
         self._pool = EnginePool({n: clients[n] for n in rollout_names})
         return self._pool, reference, reward, self._trainer
+
+    def _rollout_progress(self, samples: dict[str, tuple[int, int]]) -> None:
+        """The rollout's samples per engine as they finish, so each heartbeat shows the control
+        plane which engines are done mid-iteration (the long tail it moves GPUs out of)."""
+        with self._lock:
+            self._samples = dict(samples)
 
     def _record(self, report: IterationReport, view: _View) -> None:
         per_engine = dict(zip(self._pool.names, report.samples_per_engine, strict=False))

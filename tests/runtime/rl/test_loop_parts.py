@@ -67,9 +67,16 @@ def test_length_stats_use_nearest_rank_percentiles_and_power_of_two_buckets() ->
 def test_rollout_is_the_same_whichever_engines_serve_it(warm_start_cache: Path) -> None:
     weights = warm_start_weights(CONFIG, warm_start_cache)
     problems = iteration_problems(CONFIG, 0)
+    seen: list[dict[str, tuple[int, int]]] = []
     with local_job(CONFIG, weights, rollout_engines=2) as job:
-        spread = rollout(job.engines, problems, CONFIG, "job1", 0)
+        spread = rollout(job.engines, problems, CONFIG, "job1", 0, progress=seen.append)
         alone = rollout(job.engines[1:], problems, CONFIG, "job1", 0)
+    # Progress came as it went (per engine: finished, finished or in flight), ending with all done.
+    total = CONFIG.prompts_per_iteration * CONFIG.group_size
+    assert len(seen) >= 2 * CONFIG.prompts_per_iteration
+    assert all(done <= assigned for snapshot in seen for done, assigned in snapshot.values())
+    assert sum(done for done, _ in seen[-1].values()) == total
+    assert all(done == assigned for done, assigned in seen[-1].values())
     assert [(s.prompt_index, s.sample_index) for s in spread] == [
         (p, s) for p in range(CONFIG.prompts_per_iteration) for s in range(CONFIG.group_size)
     ]
