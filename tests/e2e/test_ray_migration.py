@@ -30,7 +30,7 @@ from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack
 
-ITERATIONS = 6
+ITERATIONS = 24  # long enough (about a minute) for both moves to happen while it runs
 
 
 def move(stack: LiveStack, job: Job, donor: str, workers: int) -> Migration:

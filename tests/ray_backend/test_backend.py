@@ -6,19 +6,16 @@ and a dead worker reported as the job's failure. The control plane's side is pla
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import ray
 
 from agents.backends.ray import driver as job_driver
-from agents.backends.ray.actors import stop_worker
 from agents.backends.ray.backend import RayBackend
 from jobs.spec import parse_spec
 from runtime.engine.client import EngineClient
-from tests.ray_cluster import NAMESPACE, LocalRayCluster
 
 ITERATIONS = 3
 
@@ -87,22 +84,6 @@ def picture(job: int, iteration: int) -> dict[str, Any]:
         for w in workers:
             groups.setdefault(w["group"], {"kind": w["kind"], "workers": []})["workers"].append(w["worker"])
     return {"jobs": {str(job): {"iteration": iteration, "state": "running", "groups": groups}}}
-
-
-@pytest.fixture
-def agents(ray_cluster: LocalRayCluster, tmp_path: Path) -> Iterator[dict[str, RayBackend]]:
-    backends = {
-        node: RayBackend(node, address=ray_cluster.address, namespace=NAMESPACE, checkpoint_dir=str(tmp_path))
-        for node in ray_cluster.nodes
-    }
-    yield backends
-    # Whatever a test left, nothing of its jobs stays on the cluster.
-    for name in ray.util.list_named_actors():
-        node, _, worker_name = name.partition("/")
-        if worker_name.startswith("j") and node in backends:
-            stop_worker(node, worker_name)
-        elif name.startswith(job_driver.DRIVER_PREFIX):
-            job_driver.stop_driver(int(name.removeprefix(job_driver.DRIVER_PREFIX)))
 
 
 def launch(agents: dict[str, RayBackend], job: int) -> None:

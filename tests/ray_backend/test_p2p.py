@@ -6,8 +6,6 @@ rolls back to the old layout, which goes on as if nothing happened."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,10 +13,8 @@ import ray
 
 from agents.backends.base import StepFailed
 from agents.backends.ray import driver as job_driver
-from agents.backends.ray.actors import stop_worker
 from agents.backends.ray.backend import RayBackend
 from tests.ray_backend.test_backend import entry_until, tiny_spec, worker
-from tests.ray_cluster import NAMESPACE, LocalRayCluster
 
 OLD = "actor-w0"
 
@@ -65,21 +61,6 @@ def step(
             "worker_ids": workers,
         },
     }
-
-
-@pytest.fixture
-def agents(ray_cluster: LocalRayCluster, tmp_path: Path) -> Iterator[dict[str, RayBackend]]:
-    backends = {
-        node: RayBackend(node, address=ray_cluster.address, namespace=NAMESPACE, checkpoint_dir=str(tmp_path))
-        for node in ray_cluster.nodes
-    }
-    yield backends
-    for name in ray.util.list_named_actors():
-        node, _, worker_name = name.partition("/")
-        if node in backends and job_driver.job_of(worker_name) is not None:
-            stop_worker(node, worker_name)
-        elif name.startswith(job_driver.DRIVER_PREFIX):
-            job_driver.stop_driver(int(name.removeprefix(job_driver.DRIVER_PREFIX)))
 
 
 def launch(agents: dict[str, RayBackend], job: int) -> None:
