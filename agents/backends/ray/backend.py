@@ -224,10 +224,12 @@ class RayBackend:
         return {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """This node's part of a migration step. The trainer's ``p2p`` migrations are carried out
-        (docs/ray-backend.md, "Migrations"): starting and stopping this node's ranks here, and the
-        job-wide part (transfer, groups, barrier, switch) by the job's driver, once for all the
-        step's nodes. Other strategies are refused with a clear error (rolled back)."""
+        """This node's part of a migration step (docs/ray-backend.md, "Migrations"): the trainer's
+        ``p2p`` moves, the rollout engines' ``workload`` moves and the reward workers' ``restart``
+        moves. Starting and stopping this node's workers happens here; the job-wide part (a state
+        transfer, groups, the rollout's routing, the weight push, membership) is the job driver's,
+        once for all the step's nodes. A step that cannot be carried out raises StepFailed with
+        the reason, and the control plane rolls the migration back."""
         ctx = parse_step(payload)
         if ctx.strategy not in DRIVER_KINDS:
             raise StepFailed(
@@ -244,7 +246,7 @@ class RayBackend:
                 return self._driver_step(ctx)
             local = getattr(self, f"_step_{ctx.kind}", None)
             if local is None:
-                raise StepFailed(f"{self.host}: unknown p2p step kind {ctx.kind!r}")
+                raise StepFailed(f"{self.host}: unknown {ctx.strategy} step kind {ctx.kind!r}")
             result: dict[str, Any] = local(ctx)
             return result
         except (RayError, TimeoutError, ValueError) as exc:
