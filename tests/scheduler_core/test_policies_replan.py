@@ -139,6 +139,35 @@ def test_a_placement_never_run_must_beat_the_models_error_and_a_missed_trial_rai
     assert "measured throughput" in back.detail
 
 
+def test_a_switch_is_made_when_a_few_iterations_of_saving_pay_for_it_and_not_sooner() -> None:
+    # A short iteration (a 2 s rollout body, 64 GPU-s of pipeline), where the switch's engine
+    # starts and state spread weigh as much as the saving.
+    short: dict[str, Any] = {
+        "rollout_body_s": 2.0,
+        "rollout_body_gpu_s": 96.0,
+        "pipeline_gpu_s": 64.0,
+        "pipeline_overlap_gpu_s": 0.0,
+    }
+    model = PlacementModel(COST, n_minibatches=8)
+    colocated = model.colocated_s(record(Placement.DISAGGREGATED, 10.0, **short))
+    switch = model.switch_s(Placement.COLOCATED, 64, 2)
+    for saving, switches in ((switch / 3 + 0.2, True), (switch / 3 - 0.2, False)):
+        plan = replanner()
+        plan.learn(record(Placement.DISAGGREGATED, colocated + saving, **short))
+        choice = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
+        assert saving > TRIAL_MARGIN_PRIOR * (colocated + saving) and saving < switch
+        # Three iterations of saving pay for the switch: it is made; less, it is not.
+        assert choice is not None and (choice.placement is Placement.COLOCATED) is switches, choice.detail
+
+
+def test_a_slow_control_plane_makes_switches_dearer_but_not_the_stage_swaps_inside_the_job() -> None:
+    slow = replace(COST, measured_scale=4.0)
+    base, scaled = PlacementModel(COST, n_minibatches=8), PlacementModel(slow, n_minibatches=8)
+    last = record(Placement.DISAGGREGATED, 95.0)
+    assert scaled.colocated_s(last) == base.colocated_s(last)
+    assert scaled.switch_s(Placement.COLOCATED, 64, 2) == 4.0 * base.switch_s(Placement.COLOCATED, 64, 2)
+
+
 def test_a_long_tail_keeps_the_job_disaggregated_and_an_asynchronous_one_never_colocates() -> None:
     plan = replanner()
     plan.learn(with_tail(Placement.DISAGGREGATED, 230.0, body_s=120.0, gpus=48, tail_s=80.0, tail_gpus=8))

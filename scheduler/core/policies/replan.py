@@ -7,7 +7,7 @@ learns (responses grow), a curriculum changes prompts, or a tool gets slower. So
 measures each iteration (``IterationLedger``, from the same group signals every tick sees, live or
 simulated), and at the boundary predicts the next iteration under both placements
 (``PlacementModel``) and switches only when the other is predicted faster by a margin, and by
-more than the switch costs (it pays back within one iteration).
+enough that the saving of the next few iterations pays for the switch.
 
 What an iteration is made of (``IterationRecord``):
 
@@ -34,7 +34,7 @@ it is. The margin (``replan_margin``) keeps small predicted gains from flapping 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from scheduler.core.costs import MigrationCostModel
@@ -52,6 +52,9 @@ TRIAL_MARGIN_BOUNDS = (0.1, 0.5)
 # A change of the rollout's tail share (tail seconds over rollout seconds) by more than this
 # makes a measurement of the other placement stale.
 SHAPE_CHANGE = 0.15
+# A switch's one-off cost is paid back by the saving of the iterations that follow it: this many
+# (the saving is re-predicted at every boundary, so a horizon much longer trusts it too far).
+PAYBACK_ITERATIONS = 3
 # Without a measurement of the disaggregated tail: the share of the rollout's GPUs that keep
 # its stragglers once it has drained (the rest are lent to the pipeline).
 TAIL_GPUS_PRIOR = 0.25
@@ -242,10 +245,11 @@ class PlacementModel:
 
     def stage_switches_s(self, gpus: int) -> float:
         """Colocated: the rollout's engines and the trainer's state swap places twice an
-        iteration, each side's state moved per GPU at the cost model's transfer rate."""
-        return 2.0 * self.cost_model.estimate_s(
-            MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=gpus
-        )
+        iteration, each side's state moved per GPU at the cost model's transfer rate. The swaps
+        happen on each host, inside the job, so what the deployment adds to moves carried out
+        through the control plane (the cost model's measured scale) is not charged to them."""
+        in_job = replace(self.cost_model, measured_scale=1.0)
+        return 2.0 * in_job.estimate_s(MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=gpus)
 
     def colocated_s(self, record: IterationRecord) -> float:
         """The stages in turn on all GPUs: the rollout's body spread over every engine, its
@@ -402,9 +406,9 @@ class Replanner:
                 current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead"
             )
         # The saving must clear the margin (the prediction's noise) and pay the one-off switch
-        # back within the first iteration.
+        # back within PAYBACK_ITERATIONS iterations.
         saving = stay - move
-        if saving > margin * stay and saving > switch:
+        if saving > margin * stay and PAYBACK_ITERATIONS * saving > switch:
             if not measured:
                 self.trial = (other, move)
             return PlacementChoice(
