@@ -28,6 +28,16 @@ class StepFailed(Exception):
     """The backend could not carry a step out; the message goes into the report."""
 
 
+def local_device_index(uid: str, host: str, device_count: int) -> int | None:
+    """The index on ``host`` of the device the control plane calls ``uid`` (``host/gpuN``), or
+    None when the device is another host's or not one of its ``device_count`` devices."""
+    owner, _, rest = uid.rpartition("/")
+    if owner != host or not rest.startswith("gpu") or not rest[3:].isdigit():
+        return None
+    index = int(rest[3:])
+    return index if index < device_count else None
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """One accelerator as the agent registers it."""

@@ -29,7 +29,14 @@ from typing import Any, Final
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetry, WorkerReading
+from agents.backends.base import (
+    DeviceInfo,
+    DeviceReading,
+    StepFailed,
+    Telemetry,
+    WorkerReading,
+    local_device_index,
+)
 from agents.backends.ray import driver as job_driver
 from agents.backends.ray.actors import (
     ENGINE_KINDS,
@@ -287,11 +294,7 @@ class RayBackend:
         return placed
 
     def _local_index(self, uid: str) -> int | None:
-        host, _, rest = uid.rpartition("/")
-        if host != self.host or not rest.startswith("gpu") or not rest[3:].isdigit():
-            return None
-        index = int(rest[3:])
-        return index if index < self.gpus else None
+        return local_device_index(uid, self.host, self.gpus)
 
     def _step_reserve_devices(self, ctx: StepContext) -> dict[str, Any]:
         # A Ray node's devices are only what the control plane says they are: its reservation

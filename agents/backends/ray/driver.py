@@ -41,6 +41,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from agents.backends.once import OncePerKey
 from agents.backends.ray.actors import job_of, kill_actor
 from agents.backends.ray.connection import RayNode
 from runtime.engine.client import EngineClient, EngineError
@@ -389,7 +390,7 @@ class JobDriver:
         self._ranks: list[str] = []
         self._rollout_urls: list[str] = []
         self._reward = RayReward({})
-        self._pool = EnginePool({"none": EngineClient("http://127.0.0.1:9")})  # replaced at set-up
+        self._pool: EnginePool | None = None  # the rollout engines, once set up
         self._ready = threading.Event()
         self._p2p = P2pMigration(self)
         self._restart = RestartMigration(self)
@@ -592,9 +593,16 @@ class JobDriver:
         self._trainer.ranks = ranks
         self._ranks = list(actor_names)
         self._rollout_urls = [urls[n] for n in rollout_names]
+        pool = self._pool = EnginePool({n: clients[n] for n in rollout_names})
         self._ready.set()
-        self._pool = EnginePool({n: clients[n] for n in rollout_names})
-        return self._pool, reference, reward, self._trainer
+        return pool, reference, reward, self._trainer
+
+    @property
+    def pool(self) -> EnginePool:
+        """The rollout engines the loop sends requests to (a workload migration changes them)."""
+        if self._pool is None:
+            raise JobFailed("the job's rollout engines are not set up yet")
+        return self._pool
 
     def _rollout_progress(self, samples: dict[str, tuple[int, int]]) -> None:
         """The rollout's samples per engine as they finish, so each heartbeat shows the control
@@ -603,7 +611,7 @@ class JobDriver:
             self._samples = dict(samples)
 
     def _record(self, report: IterationReport, view: _View) -> None:
-        per_engine = dict(zip(self._pool.names, report.samples_per_engine, strict=False))
+        per_engine = dict(zip(self.pool.names, report.samples_per_engine, strict=False))
         result = report_result(report)
         with self._lock:
             self._samples = {name: (count, count) for name, count in per_engine.items()}
@@ -663,35 +671,20 @@ class _OncePerStep:
 
     def __init__(self, driver: JobDriver) -> None:
         self.driver = driver
-        self._lock = threading.Lock()
-        self._outcomes: dict[tuple[str, int], dict[str, Any] | Exception] = {}
-        self._running: dict[tuple[str, int], threading.Event] = {}
+        self._lock = threading.Lock()  # the subclasses' own state
+        self._steps = OncePerKey()
 
     def step(self, step: Mapping[str, Any]) -> dict[str, Any]:
         key = (str(step["step_id"]), int(step.get("attempt", 1)))
-        while True:
-            with self._lock:
-                if key in self._outcomes:
-                    outcome = self._outcomes[key]
-                    if isinstance(outcome, Exception):
-                        raise outcome
-                    return dict(outcome)
-                running = self._running.get(key)
-                if running is None:
-                    done = self._running[key] = threading.Event()
-                    break
-            running.wait()
+        return self._steps.run(key, lambda: self._run_readably(step), failures=(JobFailed,))
+
+    def _run_readably(self, step: Mapping[str, Any]) -> dict[str, Any]:
         try:
-            result: dict[str, Any] | Exception = self._run(step)
-        except (JobFailed, RayError, TimeoutError, ValueError, RuntimeError) as exc:
-            result = JobFailed(f"{step.get('kind')}: {_first_line(exc)}")
-        with self._lock:
-            self._outcomes[key] = result
-            del self._running[key]
-        done.set()
-        if isinstance(result, Exception):
-            raise result
-        return dict(result)
+            return self._run(step)
+        except JobFailed:
+            raise
+        except (RayError, TimeoutError, ValueError, RuntimeError) as exc:
+            raise JobFailed(f"{step.get('kind')}: {_first_line(exc)}") from exc
 
     def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
         kind = str(step["kind"])
@@ -931,12 +924,12 @@ class WorkloadMigration(_OncePerStep):
         return super()._run(step)
 
     def _rollout_only(self, workers: list[str]) -> list[str]:
-        pool = self.driver._pool
+        pool = self.driver.pool
         return [w for w in workers if w in pool.names]
 
     def _pause_workers(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         engines = self._rollout_only(workers)
-        self.driver._pool.drain(engines)
+        self.driver.pool.drain(engines)
         for client in self._clients(engines):
             client.pause_generation("abort")
         return {"paused": engines}
@@ -945,12 +938,12 @@ class WorkloadMigration(_OncePerStep):
         engines = self._rollout_only(workers)
         for client in self._clients(engines):
             client.continue_generation()
-        self.driver._pool.undrain(engines)
+        self.driver.pool.undrain(engines)
         return {"resumed": engines}
 
     def _take_back_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         engines = self._rollout_only(workers)
-        if not self.driver._pool.wait_idle(engines, MIGRATION_TIMEOUT_S):
+        if not self.driver.pool.wait_idle(engines, MIGRATION_TIMEOUT_S):
             raise JobFailed(
                 f"{', '.join(engines)} still had requests in flight after {MIGRATION_TIMEOUT_S:g} s"
             )
@@ -966,7 +959,7 @@ class WorkloadMigration(_OncePerStep):
         return {"requests": []}
 
     def _clients(self, engines: list[str]) -> list[EngineClient]:
-        return [client for name, client in self.driver._pool.named_clients().items() if name in engines]
+        return [client for name, client in self.driver.pool.named_clients().items() if name in engines]
 
     def _rehome_push(self, migration: str, urls: list[str], push: bool) -> None:
         """Rank 0's weight push to exactly ``urls`` (a new group: the engines may hold the old
@@ -985,7 +978,7 @@ class WorkloadMigration(_OncePerStep):
 
     def _release_devices(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         engines = self._rollout_only(workers)
-        pool = self.driver._pool
+        pool = self.driver.pool
         remaining = [client.base_url for name, client in pool.named_clients().items() if name not in engines]
         if engines:
             pool.remove(engines)
@@ -993,7 +986,7 @@ class WorkloadMigration(_OncePerStep):
         return {"released": engines}
 
     def _switch(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        pool = self.driver._pool
+        pool = self.driver.pool
         current = pool.named_clients()
         new = [w for w in workers if w not in current]
         handles = {w: worker_actor(w) for w in new}

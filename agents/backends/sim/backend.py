@@ -21,11 +21,11 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetry, WorkerReading
+from agents.backends.once import OncePerKey
 from agents.backends.sim.faults import (
     CRASH_EXIT_CODE,
     Fault,
@@ -44,9 +44,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SPEED = 10.0
 DEFAULT_SAMPLE_INTERVAL_S = 0.5  # wall seconds between two telemetry samples of a worker
-STEP_RESULTS_KEPT = 1000
-SPEC_WAIT_S = 15.0
-WAIT_TOLERANCE_S = 1e-6  # below the resolution of an epoch timestamp in a float  # how long a step for a job unknown here waits for its spec in a heartbeat reply
+SPEC_WAIT_S = 15.0  # how long a step for a job unknown here waits for its spec in a heartbeat reply
+WAIT_TOLERANCE_S = 1e-6  # below the resolution of an epoch timestamp in a float
 
 
 class SimClock(Protocol):
@@ -143,8 +142,7 @@ class SimBackend:
         self._lock = threading.RLock()
         self._views_changed = threading.Condition(self._lock)
         self._closing = threading.Event()
-        self._results: OrderedDict[tuple[str, int], dict[str, Any] | StepFailed] = OrderedDict()
-        self._in_flight: dict[tuple[str, int], threading.Event] = {}
+        self._once = OncePerKey()  # each (step, attempt) carried out once, by the first node asking
         run_thread = isinstance(self._clock, WallClock) if background is None else background
         self._thread: threading.Thread | None = None
         if run_thread:
@@ -281,32 +279,7 @@ class SimBackend:
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         ctx = parse_step(payload)
-        key = (ctx.step_id, ctx.attempt)
-        while True:
-            with self._lock:
-                cached = self._results.get(key)
-                if cached is not None:
-                    if isinstance(cached, StepFailed):
-                        raise StepFailed(str(cached))
-                    return dict(cached)
-                running = self._in_flight.get(key)
-                if running is None:
-                    done = self._in_flight[key] = threading.Event()
-                    break
-            running.wait()  # the same step is being executed by another thread
-        try:
-            result: dict[str, Any] | StepFailed = self._execute(ctx)
-        except StepFailed as exc:
-            result = exc
-        with self._lock:
-            self._results[key] = result
-            while len(self._results) > STEP_RESULTS_KEPT:
-                self._results.popitem(last=False)
-            del self._in_flight[key]
-        done.set()
-        if isinstance(result, StepFailed):
-            raise result
-        return dict(result)
+        return self._once.run((ctx.step_id, ctx.attempt), lambda: self._execute(ctx), failures=(StepFailed,))
 
     def telemetry(self) -> Telemetry:
         with self._lock:

@@ -42,6 +42,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from agents.backends.base import local_device_index
 from agents.backends.sim.model import REWARD_PASSES, JobModel, hardware_spec
 from agents.backends.sim.state import (
     ACTIVE_JOB_STATES,
@@ -470,11 +471,7 @@ class SimHost:
                 self.enqueue(target, self.new_request(episode, max_new=job.model.max_new_tokens, fresh=0))
 
     def local_device(self, uid: str) -> int | None:
-        host, _, rest = uid.rpartition("/")
-        if host != self.name or not rest.startswith("gpu") or not rest[3:].isdigit():
-            return None
-        index = int(rest[3:])
-        return index if index < len(self.devices) else None
+        return local_device_index(uid, self.name, len(self.devices))
 
     # == rollout =====================================================================================
 
