@@ -64,7 +64,7 @@ def test_growing_moves_the_exact_state_and_training_continues_as_without_the_mig
     old, new = saved["old"], saved["new"]
     # Exact: parameters, AdamW's exp_avg, exp_avg_sq and step, bit for bit (SHA-256 of each).
     assert new["received"] == old["sent"] != new["standby"]
-    assert new["report"].checksums == old["report"].checksums  # the wire's CRCs, as both ends saw them
+    assert new["report"].checksums == old["report"].checksums  # the wire's checksums, as both ends saw them
     assert (new["step_after_transfer"], new["report"].cursor) == (BEFORE, {"iteration": 2})
     assert old["world"] == 2
     # After the switch both ranks apply the same all-reduced update: identical weights.
