@@ -82,10 +82,34 @@ class PolicyRun:
     migrations: list[dict[str, Any]] = field(default_factory=list)
 
 
-def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, Any]:
-    """The real job (the live test's and the ray demo's), placed as ``policy`` places it on
-    ``2 × gpus`` GPUs."""
-    total = 2 * gpus
+@dataclass(frozen=True)
+class JobShape:
+    """How big the real job is: the default is the live test's and the ray demo's (16 problems a
+    batch, a 64-wide 2-layer GPT); a bigger batch and model make iterations long against the
+    control loop, which is what moves need to pay back."""
+
+    iterations: int
+    seed: int = 0
+    gpus: int = 2  # logical GPUs per Ray node
+    prompts: int = 16
+    hidden_size: int = 64
+    num_layers: int = 2
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> JobShape:
+        return cls(
+            iterations=args.iterations,
+            seed=args.seed,
+            gpus=args.gpus,
+            prompts=args.prompts,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+        )
+
+
+def job_spec(policy: str, shape: JobShape) -> dict[str, Any]:
+    """The real job, placed as ``policy`` places it on ``2 × shape.gpus`` GPUs."""
+    total = 2 * shape.gpus
     components: list[dict[str, Any]]
     if policy == "static-colocated":
         components = [
@@ -122,12 +146,22 @@ def job_spec(policy: str, iterations: int, seed: int, gpus: int) -> dict[str, An
         "backend": "ray",
         "model": {"name": "tiny-gpt", "params_b": 0.0001},
         "workload": {
-            "iterations": iterations,
-            "prompts_per_iteration": 16,
+            "iterations": shape.iterations,
+            "prompts_per_iteration": shape.prompts,
             "samples_per_prompt": 8,
             "max_new_tokens": 40,
         },
-        "runtime": {"seed": seed, "dataset_size": 16, "kl_coef": 0.02},
+        "runtime": {
+            "seed": shape.seed,
+            "dataset_size": shape.prompts,
+            "kl_coef": 0.02,
+            "model": {
+                "hidden_size": shape.hidden_size,
+                "num_layers": shape.num_layers,
+                "num_heads": 4,
+                "ffn_hidden_size": 2 * shape.hidden_size,
+            },
+        },
         "components": components,
         "policy": {"name": policy},
     }
@@ -139,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--gpus", type=int, default=2, help="logical GPUs per Ray node (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=16, help="problems per iteration (8 samples each)")
+    parser.add_argument("--hidden-size", type=int, default=64, help="the policy GPT's width")
+    parser.add_argument("--layers", type=int, default=2, help="the policy GPT's depth")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a job may take")
     parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
     parser.add_argument(
@@ -150,8 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--policies: the real job runs under {', '.join(POLICIES)}, not {unknown[0]!r}")
     if args.iterations < 1 or args.gpus < 2:
         parser.error("--iterations must be at least 1 and --gpus at least 2")
+    shape = JobShape.of(args)
     for policy in policies:
-        parse_spec(job_spec(policy, args.iterations, args.seed, args.gpus))  # refused here, not mid-run
+        parse_spec(job_spec(policy, shape))  # refused here, not mid-run
     setup_django()
     if not database_ready(args.migrate):
         return 2
@@ -172,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The supervised warm start is the same for every placement (same model, task and seed):
         # computed once here into the checkpoint directory the drivers read, so no run pays it.
         warm_start_weights(
-            rl_config(parse_spec(job_spec(policies[0], args.iterations, args.seed, args.gpus)).to_json()),
+            rl_config(parse_spec(job_spec(policies[0], shape)).to_json()),
             workdir / "checkpoints",
         )
         wait_for(lambda: port_open(head_port), 120, "the Ray cluster", ray_nodes, workdir)
@@ -244,7 +282,7 @@ def run_policy(
         ready = Node.objects.filter(name__in=NODES, status=NodeStatus.READY, registered_at__gte=began)
         wait_for(lambda: ready.count() == len(NODES), 180, "the ray agents", watched, workdir)
         owner = get_user_model().objects.create_user(username=f"{tag}-owner")
-        spec = job_spec(policy, args.iterations, args.seed, args.gpus)
+        spec = job_spec(policy, JobShape.of(args))
         job = submit_job(owner=owner, source=spec, actor=Actor.system("bench-real-job")).job
         cluster.job_ids.append(job.pk)
         wait_job_ended(job, args.timeout, watched, workdir, f"the {policy} job")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import ray
@@ -34,3 +35,11 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def warm_start_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint directory the session's real jobs share: a warm start is cached there under
+    its model, SFT settings and seed (``runtime.rl.job.warm_start_cache_key``), so the first job of
+    a shape computes it and the others load it, as jobs sharing a node's directory do."""
+    return tmp_path_factory.mktemp("checkpoints")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,10 +18,14 @@ from typing import Any
 
 import psutil
 import pytest
+import yaml
 from celery import Celery
 
+from agents.backends.ray.driver import rl_config
 from controlplane.stack import STATUS_FILE
 from controlplane.supervise import read_status
+from jobs.spec import parse_spec
+from runtime.rl.job import warm_start_checkpoint, warm_start_weights
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
 
 
@@ -142,10 +147,23 @@ def _processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
-def test_run_command_runs_a_real_job_on_a_local_ray_cluster(tmp_path: Path) -> None:
+@pytest.fixture
+def demo_warm_start(warm_start_cache: Path) -> Path:
+    """The ray demo job's warm start, from the session's cache (computed there if no real job of
+    the session has yet)."""
+    spec = yaml.safe_load((REPO_ROOT / "controlplane" / "demo" / "real-math-ray.yaml").read_text())
+    config = rl_config(parse_spec(spec).to_json())
+    warm_start_weights(config, warm_start_cache)
+    return warm_start_checkpoint(config, warm_start_cache)
+
+
+def test_run_command_runs_a_real_job_on_a_local_ray_cluster(tmp_path: Path, demo_warm_start: Path) -> None:
     """The ray demo: a local Ray cluster of two logical nodes, a ray agent per node, and the real
     job training on them; Ctrl-C stops the cluster's processes too."""
     data_dir, log_path, port, ray_port = tmp_path / "data", tmp_path / "run.log", free_port(), free_port()
+    # The data directory holds the warm start of an earlier run, as a second `make run` finds it:
+    # the job loads it rather than training it again (the warm start's own tests train it).
+    shutil.copytree(demo_warm_start, data_dir / "checkpoints" / demo_warm_start.name)
     env = {"DYNARL_DEMO_RAY_PORT": str(ray_port)}
     proc = _start(data_dir, port, log_path, "--demo-backend", "ray", env=env)
     try:

@@ -43,9 +43,9 @@ def nothing_left(cluster: LocalRayCluster, job: Job) -> bool:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_real_job_learns_and_succeeds(
-    live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
-    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
     job = submit(live_stack, real_job("real-math"))
     wait_running(live_stack, job, timeout_s=180)
     wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
@@ -88,9 +88,9 @@ def test_a_real_job_learns_and_succeeds(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_job_whose_engine_dies_fails_with_a_readable_reason(
-    live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
-    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
     job = submit(live_stack, real_job("doomed", iterations=50))
     wait_running(live_stack, job, timeout_s=180)
     assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()

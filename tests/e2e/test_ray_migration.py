@@ -51,9 +51,9 @@ def move(stack: LiveStack, job: Job, donor: str, workers: int) -> Migration:
 
 @pytest.mark.django_db(transaction=True)
 def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
-    live_stack: LiveStack, ray_cluster: LocalRayCluster, tmp_path: Path
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
-    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
     spec = real_job("moving", iterations=ITERATIONS)
     spec["components"] = [
         {"name": "rollout", "kind": "rollout", "workers": 3, "min_workers": 1},

@@ -277,12 +277,12 @@ def test_a_viewer_sees_no_controls_and_the_api_refuses_the_viewers_migrate(
 
 
 def test_a_real_jobs_page_draws_its_reward_curve_as_it_trains(
-    live_stack: LiveStack, login: Any, ray_cluster: LocalRayCluster, tmp_path: Path
+    live_stack: LiveStack, login: Any, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
     """A job on the ray backend: its page gains a point of the reward curve and of the rollout's
     throughput and lengths for every iteration trained, live, and says which weights the engines
     hold."""
-    start_ray_agents(live_stack, ray_cluster, tmp_path / "checkpoints")
+    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
     status, job = live_stack.api("POST", "/api/v1/jobs/", real_job("real-page", iterations=3))
     assert status == 201, job
     page: Page = login("viewer")

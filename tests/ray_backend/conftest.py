@@ -16,9 +16,11 @@ from tests.ray_cluster import NAMESPACE, LocalRayCluster
 
 
 @pytest.fixture
-def agents(ray_cluster: LocalRayCluster, tmp_path: Path) -> Iterator[dict[str, RayBackend]]:
+def agents(ray_cluster: LocalRayCluster, warm_start_cache: Path) -> Iterator[dict[str, RayBackend]]:
     backends = {
-        node: RayBackend(node, address=ray_cluster.address, namespace=NAMESPACE, checkpoint_dir=str(tmp_path))
+        node: RayBackend(
+            node, address=ray_cluster.address, namespace=NAMESPACE, checkpoint_dir=str(warm_start_cache)
+        )
         for node in ray_cluster.nodes
     }
     yield backends

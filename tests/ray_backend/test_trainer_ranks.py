@@ -8,8 +8,9 @@ from typing import Any
 import ray
 import torch
 
-from agents.backends.ray.actors import TrainerRankWorker, start_engine_worker, start_worker_actor, stop_worker
+from agents.backends.ray.actors import start_engine_worker, start_worker_actor, stop_worker
 from agents.backends.ray.connection import connect, find_node
+from agents.backends.ray.trainer_rank import TrainerRankWorker
 from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import EngineSettings
 from runtime.rl.grpo import Trajectory

@@ -42,7 +42,6 @@ from agents.backends.ray.actors import (
     ENGINE_KINDS,
     EngineWorker,
     RewardWorker,
-    TrainerRankWorker,
     WorkerUsage,
     actor_name,
     job_of,
@@ -52,6 +51,7 @@ from agents.backends.ray.actors import (
     worker_handle,
 )
 from agents.backends.ray.connection import RayClusterError, RayNode, connect, find_node
+from agents.backends.ray.trainer_rank import TrainerRankWorker
 from agents.backends.step_payload import StepContext, parse_step
 from runtime.engine.client import EngineClient, EngineError
 from runtime.rl.job import RLJobConfig

@@ -681,9 +681,7 @@ class _OncePerStep:
     def _run_readably(self, step: Mapping[str, Any]) -> dict[str, Any]:
         try:
             return self._run(step)
-        except JobFailed:
-            raise
-        except (RayError, TimeoutError, ValueError, RuntimeError) as exc:
+        except (JobFailed, RayError, TimeoutError, ValueError, RuntimeError) as exc:
             raise JobFailed(f"{step.get('kind')}: {_first_line(exc)}") from exc
 
     def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
