@@ -140,6 +140,13 @@ def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[
     assert (
         readings[f"j{job}-rollout-w0"].tokens >= 0 and 0.0 <= readings[f"j{job}-actor-w0"].utilisation <= 1.0
     )
+    # A worker stopped on purpose while a telemetry pass, which listed it just before, asks it
+    # for its usage: the pass finds its actor gone and must not take that for a death.
+    on_a = agents["node-a"]
+    listed = dict(on_a._payloads)
+    assert on_a.stop_workers(job, [f"j{job}-reward-w0"])["ok"]
+    on_a._usages(listed)
+    assert all("failure" not in e for e in on_a.telemetry().jobs if e["job"] == job)
     # The job finished: its workers stop, and with the last of them its driver.
     for node, workers in layout(job).items():
         assert agents[node].stop_workers(job, [w["worker"] for w in workers])["ok"]

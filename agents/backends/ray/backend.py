@@ -210,17 +210,19 @@ class RayBackend:
         stopped: dict[str, dict[str, Any]] = {}
         jobs = {job_id} if job_id else set()
         for name in worker_names:
-            try:
-                stop_worker(self.node.name, name)
-                stopped[name] = {"ok": True, "error": ""}
-            except TimeoutError as exc:
-                stopped[name] = {"ok": False, "error": str(exc)}
+            # Forgotten before it is killed: a telemetry pass asking it meanwhile must not take
+            # a worker stopped on purpose for one that died.
             with self._lock:
                 self._payloads.pop(name, None)
                 self._samples.pop(name, None)
                 client = self._engines.pop(name, None)
             if client is not None:
                 client.close()
+            try:
+                stop_worker(self.node.name, name)
+                stopped[name] = {"ok": True, "error": ""}
+            except TimeoutError as exc:
+                stopped[name] = {"ok": False, "error": str(exc)}
             if (owner := job_of(name)) is not None:
                 jobs.add(owner)
         for owner in jobs:
@@ -392,13 +394,13 @@ class RayBackend:
     def _stop_listed(self, ctx: StepContext) -> list[str]:
         stopped = []
         for worker in ctx.worker_ids:
+            with self._lock:  # forgotten first, as in stop_workers
+                self._payloads.pop(worker, None)
+                self._samples.pop(worker, None)
             if worker_handle(self.node.name, worker) is None:
                 continue
             stop_worker(self.node.name, worker)
             stopped.append(worker)
-            with self._lock:
-                self._payloads.pop(worker, None)
-                self._samples.pop(worker, None)
         return stopped
 
     def _step_destroy_new(self, ctx: StepContext) -> dict[str, Any]:
@@ -472,6 +474,8 @@ class RayBackend:
         job = job_of(name)
         if job is not None:
             with self._lock:
+                if name not in self._payloads:
+                    return  # stopped on purpose while it was being asked
                 self._lost.setdefault(job, f"worker {name} on {self.host} died (its Ray actor is gone)")
 
     def _read_worker(
