@@ -1,7 +1,7 @@
 """How fast a p2p migration moves the trainer's state, against raw torch.distributed in the same run.
 
     python -m bench.state_transfer
-    python -m bench.state_transfer --hidden 512 --layers 8 --repeats 3
+    python -m bench.state_transfer --hidden 512 --layers 8 --repeats 6
 
 Two processes on this machine, one old trainer rank and one new one on standby, joined by a
 FileStore. For each repeat the old rank (having taken one AdamW step, so its optimizer state is
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args(argv)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

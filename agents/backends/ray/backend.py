@@ -210,14 +210,7 @@ class RayBackend:
         stopped: dict[str, dict[str, Any]] = {}
         jobs = {job_id} if job_id else set()
         for name in worker_names:
-            # Forgotten before it is killed: a telemetry pass asking it meanwhile must not take
-            # a worker stopped on purpose for one that died.
-            with self._lock:
-                self._payloads.pop(name, None)
-                self._samples.pop(name, None)
-                client = self._engines.pop(name, None)
-            if client is not None:
-                client.close()
+            self._forget(name)
             try:
                 stop_worker(self.node.name, name)
                 stopped[name] = {"ok": True, "error": ""}
@@ -391,12 +384,20 @@ class RayBackend:
             self._payloads.update(kept)
         return {"restarted": sorted(kept)}
 
+    def _forget(self, worker: str) -> None:
+        """Drop a worker from this node's books before its actor is killed: a telemetry pass
+        asking it meanwhile must not take a worker stopped on purpose for one that died."""
+        with self._lock:
+            self._payloads.pop(worker, None)
+            self._samples.pop(worker, None)
+            client = self._engines.pop(worker, None)
+        if client is not None:
+            client.close()
+
     def _stop_listed(self, ctx: StepContext) -> list[str]:
         stopped = []
         for worker in ctx.worker_ids:
-            with self._lock:  # forgotten first, as in stop_workers
-                self._payloads.pop(worker, None)
-                self._samples.pop(worker, None)
+            self._forget(worker)
             if worker_handle(self.node.name, worker) is None:
                 continue
             stop_worker(self.node.name, worker)
