@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents.backends.base import ExecutionBackend, StepFailed
+from agents.backends.faults import CRASH_EXIT_CODE, Fault, FaultMode, FaultPlan
 from agents.daemon.client import ApiError, Backoff, GaveUp, quote_id, retrying
 from agents.daemon.session import AgentSession, RegistrationRefused
 from agents.daemon.state import Journal, Outcome
@@ -102,8 +104,12 @@ class CommandRunner:
         journal: Journal,
         backoff: Backoff,
         on_fatal: Callable[[BaseException], None],
+        faults: FaultPlan | None = None,
+        exit: Callable[[int], Any] = os._exit,
     ) -> None:
         self.session = session
+        self.faults = faults or FaultPlan(())
+        self.exit = exit  # how an injected crash ends the process
         self.backend = backend
         self.journal = journal
         self.backoff = backoff
@@ -146,7 +152,11 @@ class CommandRunner:
                         self.worker_jobs.pop(name, None)
                 return body
             if kind == "migration_step":
+                fault = self._injected_fault(payload)
                 result = self.backend.execute_step(payload)
+                if fault is not None:  # a crash: after the step's effects, before its outcome
+                    log.error("injected fault %s: the agent exits with %s", fault, CRASH_EXIT_CODE)
+                    self.exit(CRASH_EXIT_CODE)
                 return {
                     "ok": True,
                     "error": "",
@@ -160,6 +170,21 @@ class CommandRunner:
         except Exception as exc:
             log.exception("the backend raised while carrying out %s", kind)
             return failure(f"{type(exc).__name__}: {exc}", **self._attempt(kind, payload))
+
+    def _injected_fault(self, payload: Mapping[str, Any]) -> Fault | None:
+        """The drill's fault for this step (``--faults``): a failure or a hang happens here,
+        before the backend is called; a crash is returned for the caller to carry out."""
+        step = payload.get("step")
+        fault = self.faults.next_for(str(step.get("kind", "")) if isinstance(step, Mapping) else "")
+        if fault is None:
+            return None
+        if fault.mode is FaultMode.FAIL:
+            raise StepFailed(f"injected fault {fault}")
+        if fault.mode is FaultMode.HANG:
+            log.warning("injected fault %s: the step hangs until the agent stops", fault)
+            self.give_up.wait()
+            raise StepFailed(f"injected fault {fault}, interrupted by the agent stopping")
+        return fault
 
     @staticmethod
     def _attempt(kind: str, payload: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from agents.backends.faults import AGENT_FAULTS_ENV, Fault, FaultSpecError, parse_faults
+
 # What the control plane accepts as a node name (agents.services.registration.HOST_NAME): checked
 # here too so a bad host name is refused before the agent starts, not at every registration attempt.
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -48,6 +50,8 @@ class AgentConfig:
     nvml: bool = True
     log_level: str = "INFO"
     trace_dir: Path | None = None  # job traces (workload.trace) are read from under it only; None: none
+    # injected into migration steps, for fault drills (agents/backends/faults.py); none by default
+    faults: tuple[Fault, ...] = ()
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -114,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="never read devices through NVML, even where a driver is present (env DYNARL_NVML=0)",
     )
     add("--log-level", help="DEBUG, INFO, WARNING or ERROR (env DYNARL_LOG_LEVEL; default INFO)")
+    add(
+        "--faults",
+        help="fault drill: make migration steps fail, hang or kill this agent, e.g. "
+        "'crash:transfer_state@1' (env DYNARL_AGENT_FAULTS; default none; agents/backends/faults.py)",
+    )
     return parser
 
 
@@ -272,6 +281,12 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     if log_level not in LOG_LEVELS:
         problems.append(f"--log-level / DYNARL_LOG_LEVEL: must be one of {', '.join(LOG_LEVELS)}")
 
+    faults: tuple[Fault, ...] = ()
+    try:
+        faults = parse_faults(_pick(args.faults, environ, AGENT_FAULTS_ENV) or "")
+    except FaultSpecError as exc:
+        problems.append(f"--faults / {AGENT_FAULTS_ENV}: {exc}")
+
     if problems:
         raise ConfigError(problems)
     return AgentConfig(
@@ -290,6 +305,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         nvml=nvml,
         log_level=log_level,
         trace_dir=trace_dir,
+        faults=faults,
     )
 
 

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from agents.backends.base import ExecutionBackend, ReconcilingBackend
+from agents.backends.faults import FaultPlan
 from agents.daemon.client import ApiError, Backoff, ControlPlaneClient, GaveUp, retrying
 from agents.daemon.commands import CommandRunner
 from agents.daemon.config import AgentConfig
@@ -221,7 +222,14 @@ class Agent:
             stop=self.stopping,
             backends=offers,
         )
-        runner = CommandRunner(session, backend, self.state.journal, self.backoff, on_fatal=self._fail)
+        runner = CommandRunner(
+            session,
+            backend,
+            self.state.journal,
+            self.backoff,
+            on_fatal=self._fail,
+            faults=FaultPlan(self.config.faults),
+        )
         try:
             registration = self._first_registration(session)
         except GaveUp:

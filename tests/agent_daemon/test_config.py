@@ -94,6 +94,14 @@ def test_backend_options_as_a_json_object() -> None:
         parse_config([], {**BASE, "DYNARL_BACKEND_OPTIONS": "{gpus: 8}"})
 
 
+def test_a_fault_drill_is_parsed_and_a_bad_one_named() -> None:
+    config = parse_config(["--faults", "crash:transfer_state@1,fail:switch"], BASE)
+    assert [str(f) for f in config.faults] == ["crash:transfer_state@1", "fail:switch"]
+    assert parse_config([], BASE).faults == ()
+    with pytest.raises(ConfigError, match="DYNARL_AGENT_FAULTS: fault 'crash:nothing'"):
+        parse_config([], {**BASE, "DYNARL_AGENT_FAULTS": "crash:nothing"})
+
+
 def test_a_missing_url_is_refused() -> None:
     with pytest.raises(ConfigError, match="control plane's URL is required"):
         parse_config([], {"DYNARL_HOST": "gpu-7"})

@@ -316,6 +316,33 @@ def test_a_step_interrupted_by_a_crash_is_reported_failed_not_run_again(agent: A
     assert any(c["pid"] != held["pid"] for c in agent.calls("execute_step"))
 
 
+@pytest.mark.parametrize("mode", ["crash", "fail"])
+def test_a_fault_drill_crashes_the_agent_after_a_step_or_fails_the_step(agent: AgentProcess, mode: str) -> None:
+    """``--faults`` works with any backend: ``crash`` kills the agent once the backend has carried
+    the step out and before its outcome is recorded, so the restarted agent reports it
+    interrupted; ``fail`` fails it without calling the backend. Either way the migration rolls
+    back and the agent's next process runs without the drill."""
+    agent.start(DYNARL_AGENT_FAULTS=f"{mode}:pause_workers@1")
+    registered(agent)
+    migration = migrate(running_job(agent))
+    if mode == "crash":
+        eventually(lambda: not agent.running(), agent, "the drill's crash never happened")
+        assert agent.wait() == 70
+        [ran] = agent.calls("execute_step")  # carried out once, by the crashed process
+        assert ran["kind"] == "pause_workers"
+        agent.start()
+    eventually(
+        lambda: migration_state(migration) in TERMINAL_MIGRATION_STATES, agent, "the migration never finished"
+    )
+    assert migration.state == "rolled_back"
+    paused = MigrationStep.objects.get(migration=migration, kind="pause_workers", is_rollback=False)
+    [report] = AuditEvent.objects.filter(verb="migration.step.report", payload__step=paused.step_id)
+    expected = "agent stopped while carrying this step out" if mode == "crash" else "injected fault fail:"
+    assert report.payload["ok"] is False and expected in report.reason, report.reason
+    pauses = [c for c in agent.calls("execute_step") if c["kind"] == "pause_workers"]
+    assert len(pauses) == (1 if mode == "crash" else 0)
+
+
 def test_a_restarted_agent_launches_the_workers_the_control_plane_has_running(agent: AgentProcess) -> None:
     agent.start()
     registered(agent)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from agents.backends.base import StepFailed, WorkerReading
+from agents.backends.faults import FaultSpecError, parse_faults
 from agents.backends.sim.backend import ManualClock, SimBackend
-from agents.backends.sim.faults import FaultSpecError, parse_faults
 from tests.sim_backend.relay import Relay, manual_backends, math_spec, run_until
 
 JOB = 7

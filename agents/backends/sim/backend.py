@@ -25,15 +25,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from agents.backends.base import DeviceInfo, DeviceReading, StepFailed, Telemetry, WorkerReading
-from agents.backends.once import OncePerKey
-from agents.backends.sim.faults import (
+from agents.backends.faults import (
     CRASH_EXIT_CODE,
+    SIM_FAULTS_ENV,
     Fault,
     FaultMode,
     FaultPlan,
     faults_from_env,
     parse_faults,
 )
+from agents.backends.once import OncePerKey
 from agents.backends.sim.host import SimHost
 from agents.backends.sim.model import SpecProblem
 from agents.backends.sim.state import HostError, JobView
@@ -136,7 +137,7 @@ class SimBackend:
         )
         self._steps = HostSteps(self._sim)
         self.hardware = self._sim.hardware
-        self.faults = FaultPlan(faults_from_env() if faults is None else parse_faults(faults))
+        self.faults = FaultPlan(faults_from_env(SIM_FAULTS_ENV) if faults is None else parse_faults(faults))
         self._exit = exit_process
         self._spec_wait_s = spec_wait_s
         self._lock = threading.RLock()

@@ -1,17 +1,19 @@
-"""Fault injection for the ``sim`` backend: make a step of a given kind fail, hang or kill the agent.
+"""Fault injection: make a migration step (or a launch or stop) of a given kind fail, hang or kill
+the agent, to test that every failure ends in a whole job.
 
 A fault is written ``<mode>:<kind>`` or ``<mode>:<kind>@<n>``:
 
 - ``fail:switch`` -- every ``switch`` step raises ``StepFailed`` (nothing of it is applied);
-- ``hang:transfer_state`` -- the step never returns until the backend is closed;
-- ``crash:barrier@2`` -- the second ``barrier`` step this agent executes kills the agent process
-  (``os._exit(70)``) half-way through the step's modelled time, after its first effects.
+- ``hang:transfer_state`` -- the step never returns until the agent stops;
+- ``crash:barrier@2`` -- the second ``barrier`` step kills the agent process (``os._exit(70)``)
+  after the step's effects and before its outcome is recorded: the control plane learns of it
+  only from the restarted agent, which reports it interrupted.
 
 ``kind`` is a migration step kind (``scheduler.core.migration.StepKind``) or ``launch_workers`` /
-``stop_workers``. Faults come from the backend's constructor or, when it is given none, from the
-comma-separated environment variable ``DYNARL_SIM_FAULTS``. Occurrences are counted per kind, over
-the executions of this backend instance; a replayed step (same step id and attempt) is not a new
-occurrence.
+``stop_workers``. Occurrences are counted per kind over one agent process; a replayed step (same
+step id and attempt) is not a new occurrence. Two places read fault lists: the sim backend
+(``DYNARL_SIM_FAULTS``; it crashes half-way through a step's modelled time, docs/sim-backend.md)
+and the agent daemon for any backend (``--faults`` / ``DYNARL_AGENT_FAULTS``, migration steps).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from enum import StrEnum
 
 from scheduler.core.migration import StepKind
 
-FAULTS_ENV = "DYNARL_SIM_FAULTS"
+SIM_FAULTS_ENV = "DYNARL_SIM_FAULTS"
+AGENT_FAULTS_ENV = "DYNARL_AGENT_FAULTS"
 CRASH_EXIT_CODE = 70
 COMMAND_KINDS = ("launch_workers", "stop_workers")
 FAULT_KINDS = frozenset({k.value for k in StepKind} | set(COMMAND_KINDS))
@@ -80,9 +83,9 @@ def parse_faults(spec: str | Iterable[str] | None) -> tuple[Fault, ...]:
     return tuple(parse_fault(item) for item in items if item.strip())
 
 
-def faults_from_env(environ: Mapping[str, str] | None = None) -> tuple[Fault, ...]:
+def faults_from_env(variable: str, environ: Mapping[str, str] | None = None) -> tuple[Fault, ...]:
     env = os.environ if environ is None else environ
-    return parse_faults(env.get(FAULTS_ENV, ""))
+    return parse_faults(env.get(variable, ""))
 
 
 class FaultPlan:
