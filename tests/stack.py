@@ -166,8 +166,9 @@ class NodeAgent:
             **self.env,
             **env,
         }
-        if self.starts > 1 and "DYNARL_SIM_FAULTS" not in env:
-            environ.pop("DYNARL_SIM_FAULTS", None)
+        for drill in ("DYNARL_SIM_FAULTS", "DYNARL_AGENT_FAULTS"):  # for the first start only
+            if self.starts > 1 and drill not in env:
+                environ.pop(drill, None)
         log = open(self.workdir / f"agent-{self.starts}.log", "wb")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agents.daemon"],

@@ -7,8 +7,12 @@ backend is called and the outcome is journaled before it is reported, so a comma
 (after a crash, a lost report or a re-registration) is answered from the journal with the outcome
 it had. A migration step that an earlier agent process started but never finished is reported
 failed rather than run again: what it did is unknown, and a failed step makes the control plane
-roll the migration back. Launch and stop commands are idempotent by worker name, so those are
-simply carried out again.
+roll the migration back. A backend whose steps outlive the agent (``resumes_interrupted_steps``:
+the Ray backend, whose job driver runs each step once per attempt and keeps its outcome) has such
+a step carried out again instead: it finishes it or answers what it did, so a step that took
+effect before the agent died (a switch past the point of no return) is reported as done, not
+rolled back over. Launch and stop commands are idempotent by worker name, so those are simply
+carried out again.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ REPORT_TIMEOUT_S = 10.0
 INTERRUPTED_STEP = (
     "the agent stopped while carrying this step out; what it did is unknown, so it is reported "
     "failed for the control plane to roll back"
+)
+
+RESUMED_STEP = (
+    "an earlier agent process started this step and stopped; the backend runs each step once and "
+    "keeps its outcome beyond the agent, so it is carried out again, which finishes it or answers "
+    "what it did"
 )
 
 
@@ -314,7 +324,12 @@ class CommandRunner:
             log.info("%s %s was carried out already; reporting its journaled outcome", kind, command_id)
             self.report(command_id, record.outcome, give_up=self.give_up)
             return
-        if record is not None and record.interrupted and kind == "migration_step":
+        if (
+            record is not None
+            and record.interrupted
+            and kind == "migration_step"
+            and not getattr(self.backend, "resumes_interrupted_steps", False)
+        ):
             log.warning("%s %s: %s", kind, command_id, INTERRUPTED_STEP)
             outcome = Outcome(in_hand.report_path, failure(INTERRUPTED_STEP, attempt=in_hand.attempt))
             if self.journal.finish(command_id, kind, outcome):
@@ -325,6 +340,8 @@ class CommandRunner:
                 log.info("stopping: not starting %s %s", kind, command_id)
                 return
             in_hand.started = True
+        if record is not None and record.interrupted:
+            log.warning("%s %s: %s", kind, command_id, RESUMED_STEP)
         log.info("carrying out %s %s", kind, command_id)
         self.journal.start(command_id, kind)
         outcome = Outcome(in_hand.report_path, self._run_backend(kind, payload))

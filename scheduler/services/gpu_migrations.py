@@ -117,14 +117,16 @@ RELEASING_KINDS = (StepKind.STOP_WORKERS, StepKind.RELEASE_DEVICES, StepKind.DES
 
 
 def workers_released_in_flight() -> set[str]:
-    """Workers an open migration has already stopped or released on their agents (and not started
-    again by a compensation). A restarted agent must not launch them again: the migration's
-    outcome, not the agent, decides what becomes of their devices."""
+    """Workers an open migration has stopped or released on their agents, or may have (the step
+    is issued and not answered yet: its agent may have died after stopping them), and not started
+    again by a compensation. A restarted agent neither launches them again nor takes their
+    missing processes for lost ones: the migration's outcome, not the agent, decides what becomes
+    of their devices."""
     done = list(
         MigrationStep.objects.filter(
             migration__state__in=OPEN_MIGRATION_STATES,
             is_rollback=False,
-            state=StepState.DONE,
+            state__in=[StepState.DONE, StepState.RUNNING],
             kind__in=[k.value for k in RELEASING_KINDS],
         ).values_list("migration_id", "index", "worker_names")
     )

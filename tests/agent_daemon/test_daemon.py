@@ -317,7 +317,9 @@ def test_a_step_interrupted_by_a_crash_is_reported_failed_not_run_again(agent: A
 
 
 @pytest.mark.parametrize("mode", ["crash", "fail"])
-def test_a_fault_drill_crashes_the_agent_after_a_step_or_fails_the_step(agent: AgentProcess, mode: str) -> None:
+def test_a_fault_drill_crashes_the_agent_after_a_step_or_fails_the_step(
+    agent: AgentProcess, mode: str
+) -> None:
     """``--faults`` works with any backend: ``crash`` kills the agent once the backend has carried
     the step out and before its outcome is recorded, so the restarted agent reports it
     interrupted; ``fail`` fails it without calling the backend. Either way the migration rolls

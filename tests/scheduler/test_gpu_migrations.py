@@ -369,6 +369,9 @@ def test_workers_an_open_migration_released_are_not_expected_on_their_node(runni
     release = migration.steps.get(kind="release_devices")
     leaving = set(release.worker_names)
     assert gpu_migrations.workers_released_in_flight() == set()
+    # Issued and not answered: its agent may have stopped them and died before saying so.
+    deliver_until("release_devices")
+    assert gpu_migrations.workers_released_in_flight() == leaving
     deliver_until("reserve_devices")  # release_devices is done; the migration is still open
     assert gpu_migrations.workers_released_in_flight() == leaving
     node = Node.objects.get(name=release.nodes[0])

@@ -85,6 +85,10 @@ class RayBackend:
     """One node of a Ray cluster, as its agent drives it. Thread-safe."""
 
     name = "ray"
+    # A step outlives the agent: the job driver (a detached actor) runs its part once per step
+    # and attempt and keeps the outcome, and workers start and stop by name. So the agent carries
+    # out again a step that an earlier agent process was interrupted in (agents/daemon/commands.py).
+    resumes_interrupted_steps = True
 
     def __init__(
         self,
@@ -119,7 +123,6 @@ class RayBackend:
         self._lost: dict[int, str] = {}  # job -> why it cannot go on (a worker of ours died)
         self._engines: dict[str, EngineClient] = {}  # engine worker -> a client of its server
         # A restart side's stopped workers, by side, for a rollback's restart_workers.
-        self._stopped: dict[str, dict[str, Mapping[str, Any]]] = {}
         self._closed = False
 
     # -- the agent's calls ---------------------------------------------------------------------
@@ -244,6 +247,10 @@ class RayBackend:
                 # The engines leave the rollout and the weight push first, then they stop here.
                 released = self._driver_step(ctx)
                 return {**released, "stopped": self._stop_listed(ctx)}
+            if ctx.kind == "switch":
+                switched = self._driver_step(ctx)
+                self._adopt(ctx)
+                return switched
             if ctx.kind in DRIVER_KINDS[ctx.strategy]:
                 return self._driver_step(ctx)
             local = getattr(self, f"_step_{ctx.kind}", None)
@@ -320,16 +327,7 @@ class RayBackend:
         if driver is None:
             raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver to build its workers from")
         kind = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
-        payloads = {
-            worker: {
-                "worker": worker,
-                "job": ctx.job_id,
-                "group": ctx.group,
-                "kind": kind,
-                "devices": devices,
-            }
-            for worker, devices in placed.items()
-        }
+        payloads = self._launch_payloads(ctx, kind, placed)
         if kind == "actor":
             config = ray.get(driver.trainer_config.remote(), timeout=CALL_TIMEOUT_S * 5)
             handles = [self._start_actor(p, TrainerRankWorker, config) for p in payloads.values()]
@@ -351,6 +349,36 @@ class RayBackend:
             self._payloads.update(payloads)
         return {"started": sorted(placed)}
 
+    def _adopt(self, ctx: StepContext) -> None:
+        """After a switch: the group's members placed here are this node's workers, also those an
+        earlier agent process started (their payloads went with it)."""
+        with self._lock:
+            placed = {w: d for w, d in self._local_devices(ctx).items() if w not in self._payloads}
+        if not placed:
+            return
+        driver = job_driver.driver_handle(ctx.job_id)
+        if driver is None:
+            raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver")
+        kind = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
+        with self._lock:
+            self._payloads.update(self._launch_payloads(ctx, kind, placed))
+
+    @staticmethod
+    def _launch_payloads(
+        ctx: StepContext, kind: str, placed: Mapping[str, list[dict[str, Any]]]
+    ) -> dict[str, dict[str, Any]]:
+        """The step's workers placed here, as a launch command lists them."""
+        return {
+            worker: {
+                "worker": worker,
+                "job": ctx.job_id,
+                "group": ctx.group,
+                "kind": kind,
+                "devices": devices,
+            }
+            for worker, devices in placed.items()
+        }
+
     def _start_actor(self, payload: Mapping[str, Any], cls: type, *args: Any) -> Any:
         """The worker's actor (idempotent by name: a retried step finds the one it started)."""
         worker = str(payload["worker"])
@@ -368,21 +396,19 @@ class RayBackend:
         return {"healthy": sorted(mine)}
 
     def _step_stop_workers(self, ctx: StepContext) -> dict[str, Any]:
-        """A restart's leaving workers (drained by the driver): stopped, their launch kept for a
-        rollback's restart_workers."""
-        with self._lock:
-            kept = self._stopped.setdefault(ctx.side_key, {})
-            kept.update({w: self._payloads[w] for w in ctx.worker_ids if w in self._payloads})
+        """A restart's leaving workers (drained by the driver): stopped."""
         return {"stopped": self._stop_listed(ctx)}
 
     def _step_restart_workers(self, ctx: StepContext) -> dict[str, Any]:
-        with self._lock:
-            kept = dict(self._stopped.get(ctx.side_key, {}))
-        handles = [self._start_actor(p, RewardWorker) for p in kept.values() if p.get("kind") == "reward"]
+        """A rollback's restart of the reward workers the step stopped here, on the same devices;
+        built from the step alone, so an agent restarted in between restarts them as well."""
+        placed = self._local_devices(ctx)
+        payloads = self._launch_payloads(ctx, "reward", placed)
+        handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
         ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
         with self._lock:
-            self._payloads.update(kept)
-        return {"restarted": sorted(kept)}
+            self._payloads.update(payloads)
+        return {"restarted": sorted(payloads)}
 
     def _forget(self, worker: str) -> None:
         """Drop a worker from this node's books before its actor is killed: a telemetry pass
@@ -573,11 +599,13 @@ class RayBackend:
 
     def reconcile(self, workers: Sequence[Mapping[str, Any]], jobs: Mapping[str, Any]) -> dict[str, Any]:
         """After the agent registers again: keep the actors the control plane lists here (they
-        ran on while the agent was away), stop any other. A listed worker whose actor is gone
-        cannot be started again with its state: its job is reported failed."""
+        ran on while the agent was away), stop those of jobs it no longer runs here. An unlisted
+        actor of a listed job is kept: it is a migration's new worker before its switch, which the
+        migration itself switches to or destroys (its steps outlive the agent). A listed worker
+        whose actor is gone cannot be started again with its state: its job is reported failed."""
         wanted = {str(w["worker"]): w for w in workers}
         running = set(self.running_workers())
-        extra = sorted(running - set(wanted))
+        extra = sorted(w for w in running - set(wanted) if str(job_of(w)) not in jobs)
         if extra:
             self.stop_workers(0, extra)
         with self._lock:

@@ -1,0 +1,132 @@
+"""Agents killed in the middle of a real job's migrations on Ray (``--faults crash:<step>@1``: the
+agent dies once the step has taken effect and before its outcome is recorded). The workers and the
+job driver are Ray actors and run on without it; the restarted agent keeps the job's actors (a
+migration's new worker too), carries the interrupted step out again (the driver ran it once and
+answers what it did), and the migration goes through whole, including when the agents died in the
+trainer's switch, its point of no return. The job trains on throughout, every iteration trained
+once on its whole batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from common.models import AuditEvent
+from jobs.models import Job, JobState
+from scheduler.models import Migration, MigrationState
+from tests.e2e.helpers import (
+    allocation,
+    live_workers,
+    ownership_is_consistent,
+    real_job,
+    start_ray_agents,
+    submit,
+    wait_migration_finished,
+    wait_released,
+    wait_running,
+)
+from tests.e2e.test_ray_job import nothing_left, wait_state
+from tests.ray_cluster import LocalRayCluster
+from tests.services import wait_until
+from tests.stack import LiveStack
+
+ITERATIONS = 400  # more than the drills take: the test cancels it once it trained on after them
+CRASH_EXIT = 70
+
+
+def drill(stack: LiveStack, job: Job, donor: str, recipient: str, workers: int, killed: str) -> Migration:
+    """Every agent dies the first time it carries out a step of kind ``killed``; an operator's
+    move of ``workers`` of ``donor``'s GPUs to ``recipient`` runs into it. The agents that died are
+    started again, and the migration is waited for."""
+    for agent in stack.agents.values():
+        agent.stop()
+        agent.start(DYNARL_AGENT_FAULTS=f"crash:{killed}@1")
+    for agent in stack.agents.values():
+        agent.wait_registered()
+    status, body = stack.api(
+        "POST",
+        f"/api/v1/jobs/{job.pk}/migrate/",
+        {"donor": donor, "recipient": recipient, "workers": workers, "reason": f"drill: crash in {killed}"},
+    )
+    assert status == 202, body
+    migration = Migration.objects.get(migration_id=body["migration_id"])
+    step = migration.steps.filter(kind=killed, is_rollback=False).order_by("index").first()
+    assert step is not None, killed  # the first of its kind is the one the agents die in
+    crashed = [stack.agent(name) for name in step.nodes]
+    assert wait_until(lambda: not any(a.running() for a in crashed), timeout_s=180), stack.logs()
+    assert [a.returncode for a in crashed] == [CRASH_EXIT] * len(crashed), stack.logs()
+    for agent in crashed:
+        agent.start()
+    for agent in crashed:
+        agent.wait_registered()
+    return wait_migration_finished(stack, migration, timeout_s=300)
+
+
+def verbs(migration: Migration) -> set[str]:
+    return set(
+        AuditEvent.objects.filter(
+            object_type=Migration._meta.label_lower, object_id=str(migration.pk)
+        ).values_list("verb", flat=True)
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
+) -> None:
+    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
+    spec = real_job("drills", iterations=ITERATIONS)
+    spec["components"] = [
+        {"name": "rollout", "kind": "rollout", "workers": 4, "min_workers": 1},
+        {"name": "reference", "kind": "inference", "workers": 1},
+        {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
+        {
+            "name": "actor",
+            "kind": "actor",
+            "workers": 1,
+            "max_workers": 4,
+            "parallelism": {"valid_dp": [1, 2, 4]},
+            "depends_on": ["rollout", "reward", "reference"],
+        },
+    ]
+    job = submit(live_stack, spec)
+    wait_running(live_stack, job, timeout_s=180)
+    assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
+    # The trainer grows by a reward GPU (its new rank's agent killed in transfer_state) and by
+    # two rollout GPUs (their agents killed while taking back what the engines had in flight),
+    # then shrinks back by two onto the rollout (the agents killed in the trainer's switch, the
+    # point of no return, after it took effect). Every move takes effect whole: no rollback runs
+    # over a step that happened.
+    for donor, recipient, workers, killed in (
+        ("reward", "actor", 1, "transfer_state"),
+        ("rollout", "actor", 2, "take_back_requests"),
+        ("actor", "rollout", 2, "switch"),
+    ):
+        before = allocation(job)
+        moved = drill(live_stack, job, donor, recipient, workers, killed)
+        assert moved.state == MigrationState.COMMITTED, (killed, moved.error, live_stack.logs())
+        assert {"migration.plan", "migration.commit"} <= verbs(moved)
+        assert "migration.rollback" not in verbs(moved)
+        after = allocation(job)
+        assert after[recipient] == before[recipient] | set(moved.device_uids), killed
+        assert not after[donor] & set(moved.device_uids), killed
+        assert ownership_is_consistent(job) == [], killed
+    assert len(live_workers(job, "actor")) == 2, live_workers(job)
+    assert len(live_workers(job, "rollout")) == 4 and len(live_workers(job, "reward")) == 1
+
+    # It trains on at the layout the drills left, then the operator cancels it.
+    trained = job.iteration_results.count()
+    assert wait_until(lambda: job.iteration_results.count() >= trained + 3, timeout_s=120), live_stack.logs()
+    status, body = live_stack.api("POST", f"/api/v1/jobs/{job.pk}/cancel/", {"reason": "drills done"})
+    assert status == 200, body
+    wait_state(live_stack, job, JobState.CANCELLED, timeout_s=120)
+    status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
+    assert status == 200, results
+    # Every iteration trained once, on the full batch, and pushed: one weight version per step.
+    assert [r["iteration"] for r in results] == list(range(len(results)))
+    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(len(results))]
+    assert all(r["metrics"]["samples"] == 128 for r in results)
+    wait_released(live_stack, job)
+    assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
