@@ -224,6 +224,26 @@ def real_job(name: str, **workload: Any) -> dict[str, Any]:
     }
 
 
+def moving_real_job(name: str, iterations: int, rollout: int) -> dict[str, Any]:
+    """The real job laid out for the trainer to grow from one rank to four by GPUs of its rollout
+    (``rollout`` engines, down to one) and of its two reward workers (down to one)."""
+    spec = real_job(name, iterations=iterations)
+    spec["components"] = [
+        {"name": "rollout", "kind": "rollout", "workers": rollout, "min_workers": 1},
+        {"name": "reference", "kind": "inference", "workers": 1},
+        {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
+        {
+            "name": "actor",
+            "kind": "actor",
+            "workers": 1,
+            "max_workers": 4,
+            "parallelism": {"valid_dp": [1, 2, 4]},
+            "depends_on": ["rollout", "reward", "reference"],
+        },
+    ]
+    return spec
+
+
 def start_ray_agents(stack: LiveStack, cluster: LocalRayCluster, checkpoints: Path) -> None:
     agents = [
         stack.start_ray_agent(node, address=cluster.address, namespace=NAMESPACE, checkpoint_dir=checkpoints)

@@ -19,8 +19,8 @@ from scheduler.models import Migration, MigrationState
 from tests.e2e.helpers import (
     allocation,
     live_workers,
+    moving_real_job,
     ownership_is_consistent,
-    real_job,
     start_ray_agents,
     submit,
     wait_migration_finished,
@@ -77,21 +77,7 @@ def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
     start_ray_agents(live_stack, ray_cluster, warm_start_cache)
-    spec = real_job("drills", iterations=ITERATIONS)
-    spec["components"] = [
-        {"name": "rollout", "kind": "rollout", "workers": 4, "min_workers": 1},
-        {"name": "reference", "kind": "inference", "workers": 1},
-        {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
-        {
-            "name": "actor",
-            "kind": "actor",
-            "workers": 1,
-            "max_workers": 4,
-            "parallelism": {"valid_dp": [1, 2, 4]},
-            "depends_on": ["rollout", "reward", "reference"],
-        },
-    ]
-    job = submit(live_stack, spec)
+    job = submit(live_stack, moving_real_job("drills", ITERATIONS, rollout=4))
     wait_running(live_stack, job, timeout_s=180)
     assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
     # The trainer grows by a reward GPU (its new rank's agent killed in transfer_state) and by

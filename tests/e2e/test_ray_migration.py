@@ -18,7 +18,7 @@ from scheduler.models import Migration, MigrationState
 from tests.e2e.helpers import (
     allocation,
     live_workers,
-    real_job,
+    moving_real_job,
     start_ray_agents,
     submit,
     wait_migration_finished,
@@ -54,21 +54,7 @@ def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
     start_ray_agents(live_stack, ray_cluster, warm_start_cache)
-    spec = real_job("moving", iterations=ITERATIONS)
-    spec["components"] = [
-        {"name": "rollout", "kind": "rollout", "workers": 3, "min_workers": 1},
-        {"name": "reference", "kind": "inference", "workers": 1},
-        {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
-        {
-            "name": "actor",
-            "kind": "actor",
-            "workers": 1,
-            "max_workers": 4,
-            "parallelism": {"valid_dp": [1, 2, 4]},
-            "depends_on": ["rollout", "reward", "reference"],
-        },
-    ]
-    job = submit(live_stack, spec)
+    job = submit(live_stack, moving_real_job("moving", ITERATIONS, rollout=3))
     wait_running(live_stack, job, timeout_s=180)
     assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
     committed = [
