@@ -7,7 +7,8 @@ A fault is written ``<mode>:<kind>`` or ``<mode>:<kind>@<n>``:
 - ``hang:transfer_state`` -- the step never returns until the agent stops;
 - ``crash:barrier@2`` -- the second ``barrier`` step kills the agent process (``os._exit(70)``)
   after the step's effects and before its outcome is recorded: the control plane learns of it
-  only from the restarted agent, which reports it interrupted.
+  only from the restarted agent (which reports it interrupted, or carries it out again where the
+  backend's steps outlive the agent).
 
 ``kind`` is a migration step kind (``scheduler.core.migration.StepKind``) or ``launch_workers`` /
 ``stop_workers``. Occurrences are counted per kind over one agent process; a replayed step (same

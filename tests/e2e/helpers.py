@@ -251,3 +251,14 @@ def start_ray_agents(stack: LiveStack, cluster: LocalRayCluster, checkpoints: Pa
     ]
     for agent in agents:
         agent.wait_registered()
+
+
+def start_moving_real_job(
+    stack: LiveStack, cluster: LocalRayCluster, checkpoints: Path, name: str, iterations: int, rollout: int
+) -> Job:
+    """The Ray agents started and ``moving_real_job`` submitted, waited until it trained once."""
+    start_ray_agents(stack, cluster, checkpoints)
+    job = submit(stack, moving_real_job(name, iterations, rollout))
+    wait_running(stack, job, timeout_s=180)
+    assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), stack.logs()
+    return job

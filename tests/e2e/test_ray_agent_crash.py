@@ -19,13 +19,10 @@ from scheduler.models import Migration, MigrationState
 from tests.e2e.helpers import (
     allocation,
     live_workers,
-    moving_real_job,
     ownership_is_consistent,
-    start_ray_agents,
-    submit,
+    start_moving_real_job,
     wait_migration_finished,
     wait_released,
-    wait_running,
 )
 from tests.e2e.test_ray_job import nothing_left, wait_state
 from tests.ray_cluster import LocalRayCluster
@@ -76,10 +73,7 @@ def verbs(migration: Migration) -> set[str]:
 def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
-    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
-    job = submit(live_stack, moving_real_job("drills", ITERATIONS, rollout=4))
-    wait_running(live_stack, job, timeout_s=180)
-    assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
+    job = start_moving_real_job(live_stack, ray_cluster, warm_start_cache, "drills", ITERATIONS, rollout=4)
     # The trainer grows by a reward GPU (its new rank's agent killed in transfer_state) and by
     # two rollout GPUs (their agents killed while taking back what the engines had in flight),
     # then shrinks back by two onto the rollout (the agents killed in the trainer's switch, the

@@ -18,12 +18,9 @@ from scheduler.models import Migration, MigrationState
 from tests.e2e.helpers import (
     allocation,
     live_workers,
-    moving_real_job,
-    start_ray_agents,
-    submit,
+    start_moving_real_job,
     wait_migration_finished,
     wait_released,
-    wait_running,
 )
 from tests.e2e.test_ray_job import nothing_left, wait_state
 from tests.ray_cluster import LocalRayCluster
@@ -53,10 +50,7 @@ def move(stack: LiveStack, job: Job, donor: str, workers: int) -> Migration:
 def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
-    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
-    job = submit(live_stack, moving_real_job("moving", ITERATIONS, rollout=3))
-    wait_running(live_stack, job, timeout_s=180)
-    assert wait_until(lambda: job.iteration_results.exists(), timeout_s=300), live_stack.logs()
+    job = start_moving_real_job(live_stack, ray_cluster, warm_start_cache, "moving", ITERATIONS, rollout=3)
     committed = [
         move(live_stack, job, "reward", workers=1),
         move(live_stack, job, "rollout", workers=2),

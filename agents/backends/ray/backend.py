@@ -122,7 +122,6 @@ class RayBackend:
         self._samples: dict[str, _Sample] = {}
         self._lost: dict[int, str] = {}  # job -> why it cannot go on (a worker of ours died)
         self._engines: dict[str, EngineClient] = {}  # engine worker -> a client of its server
-        # A restart side's stopped workers, by side, for a rollback's restart_workers.
         self._closed = False
 
     # -- the agent's calls ---------------------------------------------------------------------
@@ -323,10 +322,7 @@ class RayBackend:
         placed = self._local_devices(ctx)
         if not placed:
             return {"started": []}
-        driver = job_driver.driver_handle(ctx.job_id)
-        if driver is None:
-            raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver to build its workers from")
-        kind = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
+        driver, kind = self._driver_and_kind(ctx)
         payloads = self._launch_payloads(ctx, kind, placed)
         if kind == "actor":
             config = ray.get(driver.trainer_config.remote(), timeout=CALL_TIMEOUT_S * 5)
@@ -356,12 +352,17 @@ class RayBackend:
             placed = {w: d for w, d in self._local_devices(ctx).items() if w not in self._payloads}
         if not placed:
             return
-        driver = job_driver.driver_handle(ctx.job_id)
-        if driver is None:
-            raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver")
-        kind = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
+        _, kind = self._driver_and_kind(ctx)
         with self._lock:
             self._payloads.update(self._launch_payloads(ctx, kind, placed))
+
+    def _driver_and_kind(self, ctx: StepContext) -> tuple[Any, str]:
+        """The job's driver, and the kind of the step's group as the driver knows it."""
+        driver = job_driver.driver_handle(ctx.job_id)
+        if driver is None:
+            raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver to build its workers from")
+        kind: str = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
+        return driver, kind
 
     @staticmethod
     def _launch_payloads(
