@@ -15,7 +15,7 @@ from jobs.models import Job, Worker, WorkerState
 from scheduler.models import Migration, MigrationState
 from tests.ray_cluster import NAMESPACE, LocalRayCluster
 from tests.services import wait_until
-from tests.stack import LiveStack, NodeAgent
+from tests.stack import DEFAULT_SIM_SPEED, LiveStack, NodeAgent
 
 LIVE_WORKER_STATES = (WorkerState.STARTING, WorkerState.RUNNING)
 FINISHED_MIGRATION_STATES = (MigrationState.COMMITTED, MigrationState.ROLLED_BACK, MigrationState.FAILED)
@@ -62,8 +62,14 @@ def math_spec(
     }
 
 
-def start_cluster(stack: LiveStack, nodes: Iterable[str] = ("node-a", "node-b"), gpus: int = 4) -> None:
-    agents = [stack.start_agent(name, gpus=gpus) for name in nodes]
+def start_cluster(
+    stack: LiveStack,
+    nodes: Iterable[str] = ("node-a", "node-b"),
+    gpus: int = 4,
+    speed: float = DEFAULT_SIM_SPEED,
+) -> None:
+    """Sim hosts of ``gpus`` each, ``speed`` virtual seconds per wall second."""
+    agents = [stack.start_agent(name, gpus=gpus, speed=speed) for name in nodes]
     for agent in agents:
         agent.wait_registered()
 
