@@ -98,69 +98,55 @@ class ExactMatchReward:
         return [score(problem, text) for problem, text in problems_and_texts]
 
 
-class LeastOutstanding:
-    """Picks the engine with the fewest requests this client has in flight on it (ties: the
-    lowest index), so long responses on one engine steer new requests to the others."""
-
-    def __init__(self, count: int) -> None:
-        if count < 1:
-            raise ValueError("at least one engine is needed")
-        self._outstanding = [0] * count
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def acquire(self) -> Iterator[int]:
-        with self._lock:
-            index = min(range(len(self._outstanding)), key=lambda i: (self._outstanding[i], i))
-            self._outstanding[index] += 1
-        try:
-            yield index
-        finally:
-            with self._lock:
-                self._outstanding[index] -= 1
-
-
 def _run_spread(
-    clients: Sequence[EngineClient],
+    pool: EnginePool,
     calls: Sequence[Callable[[EngineClient], T]],
     max_concurrency: int,
-) -> list[tuple[int, T]]:
-    """Run every call on the least loaded client, concurrently; (client index, result) in order."""
-    balancer = LeastOutstanding(len(clients))
+) -> list[T]:
+    """Run every call on the pool's least loaded engine in service, concurrently; results in
+    order. An engine a migration drains gets no new call; its calls under way finish."""
 
-    def run(call: Callable[[EngineClient], T]) -> tuple[int, T]:
-        with balancer.acquire() as index:
-            return index, call(clients[index])
+    def run(call: Callable[[EngineClient], T]) -> T:
+        with pool.acquire() as (_, client):
+            return call(client)
 
     if not calls:
         return []
     with ThreadPoolExecutor(
-        max_workers=min(len(calls), max_concurrency), thread_name_prefix="rollout"
-    ) as pool:
-        return list(pool.map(run, calls))
+        max_workers=min(len(calls), max_concurrency), thread_name_prefix="reference"
+    ) as executor:
+        return list(executor.map(run, calls))
 
 
 class EngineReference:
     """`ReferenceScorer` over ``inference`` engines holding the frozen warm-start weights:
     prefill-only ``/generate`` requests (`EngineClient.input_logprobs_batch`), ``batch_size``
-    sequences per request, spread over the engines. Their rids are left to the server (SGLang
-    gives each a UUID, never a prefix of another)."""
+    sequences per request, spread over the engines of a pool that a workload migration may
+    change while it scores (``EnginePool``). Their rids are left to the server (SGLang gives each
+    a UUID, never a prefix of another)."""
 
     def __init__(
-        self, clients: Sequence[EngineClient], batch_size: int = 16, max_concurrency: int = 16
+        self,
+        engines: Sequence[EngineClient] | EnginePool,
+        batch_size: int = 16,
+        max_concurrency: int = 16,
     ) -> None:
-        if not clients:
-            raise ValueError("a reference needs at least one engine")
         if batch_size < 1 or max_concurrency < 1:
             raise ValueError("batch_size and max_concurrency must be positive")
-        self.clients = list(clients)
+        if not isinstance(engines, EnginePool) and not engines:
+            raise ValueError("a reference needs at least one engine")
+        self.pool = EnginePool.of(engines)
         self.batch_size = batch_size
         self.max_concurrency = max_concurrency
 
     def response_logprobs(
         self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
     ) -> list[list[float]]:
-        chunks = [list(sequences[i : i + self.batch_size]) for i in range(0, len(sequences), self.batch_size)]
+        # Up to ``batch_size`` sequences a request, and at least one request per engine in
+        # service, so a small batch is still scored by all of them at once.
+        engines = max(1, len(self.pool.active()))
+        size = max(1, min(self.batch_size, math.ceil(len(sequences) / engines)))
+        chunks = [list(sequences[i : i + size]) for i in range(0, len(sequences), size)]
 
         def scorer(
             chunk: list[tuple[Sequence[int], Sequence[int]]],
@@ -174,8 +160,8 @@ class EngineReference:
 
             return call
 
-        results = _run_spread(self.clients, [scorer(chunk) for chunk in chunks], self.max_concurrency)
-        logprobs = [row for _, rows in results for row in rows]
+        results = _run_spread(self.pool, [scorer(chunk) for chunk in chunks], self.max_concurrency)
+        logprobs = [row for rows in results for row in rows]
         for (_, response), row in zip(sequences, logprobs, strict=True):
             if len(row) != len(response):
                 raise RuntimeError(f"the reference scored {len(row)} of {len(response)} response tokens")
@@ -238,10 +224,13 @@ class EnginePool:
     engines in, ``remove`` forgets drained ones. ``names`` lists every engine the pool ever had,
     in order, so a sample's ``engine`` index stays meaningful across changes."""
 
-    def __init__(self, clients: Mapping[str, EngineClient], wait_s: float = 300.0) -> None:
+    def __init__(
+        self, clients: Mapping[str, EngineClient], wait_s: float = 300.0, role: str = "rollout"
+    ) -> None:
         if not clients:
             raise ValueError("at least one engine is needed")
         self.wait_s = wait_s
+        self.role = role  # what the engines serve, for the errors
         self._changed = threading.Condition()
         self._clients: dict[str, EngineClient] = dict(clients)
         self.names: list[str] = list(clients)
@@ -275,7 +264,7 @@ class EnginePool:
             if not self._changed.wait_for(
                 lambda: any(n not in self._draining for n in self._clients), timeout=self.wait_s
             ):
-                raise RolloutError(f"no rollout engine was in service for {self.wait_s:g} s")
+                raise RolloutError(f"no {self.role} engine was in service for {self.wait_s:g} s")
             name = min(
                 (n for n in self._clients if n not in self._draining),
                 key=lambda n: (self._outstanding[n], self.names.index(n)),

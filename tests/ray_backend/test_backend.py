@@ -20,14 +20,24 @@ from runtime.engine.client import EngineClient
 ITERATIONS = 3
 
 
-def tiny_spec(name: str, engine: str = "auto", actors: int = 2) -> dict[str, Any]:
+def tiny_spec(
+    name: str, engine: str = "auto", actors: int = 2, reference: int = 0, iterations: int = ITERATIONS
+) -> dict[str, Any]:
+    """A tiny math job; with ``reference`` inference engines (one may go) and a KL term to them."""
+    components: list[dict[str, Any]] = [
+        {"name": "rollout", "kind": "rollout", "workers": 2},
+        {"name": "reward", "kind": "reward", "workers": 1},
+        {"name": "actor", "kind": "actor", "workers": actors, "min_workers": 1, "max_workers": 2},
+    ]
+    if reference:
+        components.append({"name": "reference", "kind": "inference", "workers": reference, "min_workers": 1})
     return parse_spec(
         {
             "name": name,
             "backend": "ray",
             "model": {"name": "tiny-gpt", "params_b": 0.00002},
             "workload": {
-                "iterations": ITERATIONS,
+                "iterations": iterations,
                 "prompts_per_iteration": 4,
                 "samples_per_prompt": 2,
                 "max_new_tokens": 40,
@@ -44,12 +54,9 @@ def tiny_spec(name: str, engine: str = "auto", actors: int = 2) -> dict[str, Any
                 "warm_start_steps": 10,
                 "micro_batch_size": 4,
                 "engine": engine,
+                "kl_coef": 0.05 if reference else 0.0,
             },
-            "components": [
-                {"name": "rollout", "kind": "rollout", "workers": 2},
-                {"name": "reward", "kind": "reward", "workers": 1},
-                {"name": "actor", "kind": "actor", "workers": actors, "min_workers": 1, "max_workers": 2},
-            ],
+            "components": components,
             "policy": {"name": "static-disaggregated"},
         }
     ).to_json()

@@ -181,6 +181,6 @@ def test_steps_of_an_unknown_strategy_are_refused_with_a_clear_error(agents: dic
     payload = step(43, "m43-1", 0, "pause_workers", ["j43-rollout-w0"], [])
     payload["step"]["strategy"] = "teleport"
     with pytest.raises(
-        StepFailed, match=r"rollout engines \(workload\); teleport steps \(pause_workers\) are not"
+        StepFailed, match=r"inference engines \(workload\); teleport steps \(pause_workers\) are not among"
     ):
         agents["node-a"].execute_step(payload)

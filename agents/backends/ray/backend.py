@@ -10,8 +10,10 @@ opens it. The agents feed it the control plane's picture of the job (``observe_c
 report what it and their own workers did (``telemetry``): measured utilisation, queues, tokens,
 the job's progress, each iteration's results, and a failure when a worker or the driver died.
 
-Migration steps are not carried out by this backend yet: a step is refused with a clear error,
-which the control plane rolls back.
+Migration steps (``execute_step``) move the trainer's ranks (``p2p``), the rollout's and the
+reference's engines (``workload``) and the reward workers (``restart``): this node's workers start
+and stop here, and the job driver carries out the job-wide part once for all the step's nodes. A
+step it cannot carry out fails with a clear error, and the control plane rolls the migration back.
 
 This module must not import Django: agents run on GPU hosts with a slim install.
 """
@@ -229,8 +231,8 @@ class RayBackend:
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """This node's part of a migration step (docs/ray-backend.md, "Migrations"): the trainer's
-        ``p2p`` moves, the rollout engines' ``workload`` moves and the reward workers' ``restart``
-        moves. Starting and stopping this node's workers happens here; the job-wide part (a state
+        ``p2p`` moves, the rollout and inference engines' ``workload`` moves and the reward
+        workers' ``restart`` moves. Starting and stopping this node's workers happens here; the job-wide part (a state
         transfer, groups, the rollout's routing, the weight push, membership) is the job driver's,
         once for all the step's nodes. A step that cannot be carried out raises StepFailed with
         the reason, and the control plane rolls the migration back."""
@@ -238,8 +240,8 @@ class RayBackend:
         if ctx.strategy not in DRIVER_KINDS:
             raise StepFailed(
                 f"{self.host}: the ray backend moves the trainer (p2p), reward workers (restart) and "
-                f"rollout engines (workload); "
-                f"{ctx.strategy or 'this'} steps ({ctx.kind}) are not carried out yet"
+                f"rollout and inference engines (workload); "
+                f"{ctx.strategy or 'unnamed'} steps ({ctx.kind}) are not among them"
             )
         try:
             if ctx.strategy == "workload" and ctx.kind == "release_devices":
@@ -318,7 +320,8 @@ class RayBackend:
 
     def _step_start_workers(self, ctx: StepContext) -> dict[str, Any]:
         """The new workers placed here: trainer ranks started empty and on standby for the
-        transfer, reward workers ready to score."""
+        transfer, reward workers ready to score, engines serving (a rollout's or a reference's;
+        the switch gives them their weights)."""
         placed = self._local_devices(ctx)
         if not placed:
             return {"started": []}
@@ -331,7 +334,7 @@ class RayBackend:
         elif kind == "reward":
             handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
             ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
-        elif kind == "rollout":
+        elif kind in ENGINE_KINDS:
             model, settings, requested = ray.get(driver.engine_launch.remote(), timeout=CALL_TIMEOUT_S * 5)
             handles = [
                 self._start_actor(p, EngineWorker, model, settings, requested) for p in payloads.values()

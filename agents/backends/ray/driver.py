@@ -42,7 +42,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agents.backends.once import OncePerKey
-from agents.backends.ray.actors import job_of, kill_actor
+from agents.backends.ray.actors import ENGINE_KINDS, job_of, kill_actor
 from agents.backends.ray.connection import RayNode
 from runtime.engine.client import EngineClient, EngineError
 from runtime.model.config import GPTConfig
@@ -391,6 +391,7 @@ class JobDriver:
         self._rollout_urls: list[str] = []
         self._reward = RayReward({})
         self._pool: EnginePool | None = None  # the rollout engines, once set up
+        self._reference_pool: EnginePool | None = None  # the inference engines, if the job has any
         self._ready = threading.Event()
         self._p2p = P2pMigration(self)
         self._restart = RestartMigration(self)
@@ -574,12 +575,8 @@ class JobDriver:
             )
         )
         weights = warm_start_weights(self.config, self.checkpoint_dir)
-        checkpoint = warm_start_checkpoint(self.config, self.checkpoint_dir)
         clients = {name: EngineClient(url) for name, url in urls.items()}
-        for name, client in clients.items():
-            result = client.update_weights_from_disk(str(checkpoint), weight_version=INITIAL_WEIGHT_VERSION)
-            if not result.success:
-                raise JobFailed(f"engine {name} could not load the warm-start weights: {result.message}")
+        self.load_warm_start(clients)
         initial = ray.put(weights)
         ranks = [workers[name] for name in actor_names]
         store = ray.get(ranks[0].host_store.remote(len(ranks)), timeout=SETUP_TIMEOUT_S)
@@ -588,7 +585,10 @@ class JobDriver:
             timeout=SETUP_TIMEOUT_S,
         )
         ray.get(ranks[0].connect_engines.remote([urls[n] for n in rollout_names]), timeout=SETUP_TIMEOUT_S)
-        reference = EngineReference([clients[n] for n in inference_names]) if inference_names else None
+        reference = None
+        if inference_names:
+            self._reference_pool = EnginePool({n: clients[n] for n in inference_names}, role="reference")
+            reference = EngineReference(self._reference_pool)
         reward = self._reward = RayReward({n: workers[n] for n in reward_names})
         self._trainer.ranks = ranks
         self._ranks = list(actor_names)
@@ -603,6 +603,23 @@ class JobDriver:
         if self._pool is None:
             raise JobFailed("the job's rollout engines are not set up yet")
         return self._pool
+
+    def load_warm_start(self, clients: Mapping[str, EngineClient]) -> None:
+        """Every engine of ``clients`` loads the job's warm-start checkpoint: the weights the
+        trainer starts from, and the reference's frozen ones for good."""
+        checkpoint = warm_start_checkpoint(self.config, self.checkpoint_dir)
+        for name, client in clients.items():
+            result = client.update_weights_from_disk(str(checkpoint), weight_version=INITIAL_WEIGHT_VERSION)
+            if not result.success:
+                raise JobFailed(f"engine {name} could not load the warm-start weights: {result.message}")
+
+    def engines_of(self, kind: str) -> EnginePool:
+        """The pool of the job's ``rollout`` or ``inference`` engines."""
+        if kind == "rollout":
+            return self.pool
+        if kind == "inference" and self._reference_pool is not None:
+            return self._reference_pool
+        raise JobFailed(f"the job has no {kind or 'such'} engines")
 
     def _rollout_progress(self, samples: dict[str, tuple[int, int]]) -> None:
         """The rollout's samples per engine as they finish, so each heartbeat shows the control
@@ -882,21 +899,24 @@ class RestartMigration(_OncePerStep):
 
 
 class WorkloadMigration(_OncePerStep):
-    """The driver's side of a ``workload`` migration of the rollout (docs/ray-backend.md):
+    """The driver's side of a ``workload`` migration of the rollout or of the reference's
+    ``inference`` engines (docs/ray-backend.md):
 
-    - ``pause_workers``: the leaving engines get no new requests, and SGLang's
-      ``/pause_generation`` (mode ``abort``) returns what they have in flight, aborted with its
-      partial output; the rollout resumes each such sample on the remaining engines (prompt +
-      partial output, the rest of its token budget; `runtime.rl.loop.rollout`).
-      ``resume_workers`` continues them and routes to them again;
-    - ``take_back_requests``: returns once nothing of the rollout is in flight on them;
+    - ``pause_workers``: the leaving engines get no new requests. Rollout engines are paused
+      with SGLang's ``/pause_generation`` (mode ``abort``), which returns what they have in
+      flight aborted with its partial output; the rollout resumes each such sample on the
+      remaining engines (prompt + partial output, the rest of its token budget;
+      `runtime.rl.loop.rollout`). A reference engine's requests are single prefills, so they
+      are let finish. ``resume_workers`` continues them and routes to them again;
+    - ``take_back_requests``: returns once nothing of the job is in flight on them;
       ``redistribute_requests``: the rollout already did (``return_requests``: nothing to give
       back: what moved keeps running where it went, which is equivalent);
-    - ``release_devices``: the engines leave the pool, and rank 0 opens the weight push to the
-      remaining ones (under the training gate); their agents then stop them;
-    - ``switch`` (a growing rollout): the new engines get the trainer's current weights (rank 0
-      pushes to all engines over a new group) and join the pool; ``shed_requests``: groups already
-      sent stay where they are; new ones go to the least loaded engine, the new ones first.
+    - ``release_devices``: the engines leave their pool (a rollout's: rank 0 opens the weight
+      push to the remaining ones, under the training gate); their agents then stop them;
+    - ``switch`` (a growing group): the new engines get their weights (a rollout's: the
+      trainer's current ones, pushed by rank 0 to all engines over a new group; a reference's:
+      the frozen warm-start checkpoint) and join the pool; ``shed_requests``: what was already
+      sent stays where it is; new requests go to the least loaded engine, the new ones first.
     """
 
     kinds = frozenset(
@@ -912,40 +932,55 @@ class WorkloadMigration(_OncePerStep):
         }
     )
 
+    def __init__(self, driver: JobDriver) -> None:
+        super().__init__(driver)
+        self._kind_of: dict[str, str] = {}  # migration -> the kind of engines it moves
+
     def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
         group = str(step.get("group", ""))
-        if self.driver.kinds.get(group) != "rollout":
+        kind = self.driver.kinds.get(group, "")
+        if kind not in ENGINE_KINDS:
             raise JobFailed(
-                f"the ray runtime moves rollout engines by workload; {group or 'this group'} "
-                f"({self.driver.kinds.get(group) or 'unknown kind'}) is not one"
+                f"the ray runtime moves rollout and inference engines by workload; "
+                f"{group or 'this group'} ({kind or 'unknown kind'}) is not one"
             )
+        with self._lock:
+            self._kind_of[str(step["step_id"]).split(":", 1)[0]] = kind
         return super()._run(step)
 
-    def _rollout_only(self, workers: list[str]) -> list[str]:
-        pool = self.driver.pool
-        return [w for w in workers if w in pool.names]
+    def _engines(self, migration: str) -> tuple[str, EnginePool]:
+        with self._lock:
+            kind = self._kind_of[migration]
+        return kind, self.driver.engines_of(kind)
+
+    def _pooled(self, migration: str, workers: list[str]) -> tuple[str, EnginePool, list[str]]:
+        """The kind and pool of the migration's engines, and which of ``workers`` are in it."""
+        kind, pool = self._engines(migration)
+        return kind, pool, [w for w in workers if w in pool.names]
 
     def _pause_workers(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        engines = self._rollout_only(workers)
-        self.driver.pool.drain(engines)
-        for client in self._clients(engines):
-            client.pause_generation("abort")
+        kind, pool, engines = self._pooled(migration, workers)
+        pool.drain(engines)
+        if kind == "rollout":
+            for client in self._clients(pool, engines):
+                client.pause_generation("abort")
         return {"paused": engines}
 
     def _resume_workers(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        engines = self._rollout_only(workers)
-        for client in self._clients(engines):
-            client.continue_generation()
-        self.driver.pool.undrain(engines)
+        kind, pool, engines = self._pooled(migration, workers)
+        if kind == "rollout":
+            for client in self._clients(pool, engines):
+                client.continue_generation()
+        pool.undrain(engines)
         return {"resumed": engines}
 
     def _take_back_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        engines = self._rollout_only(workers)
-        if not self.driver.pool.wait_idle(engines, MIGRATION_TIMEOUT_S):
+        kind, pool, engines = self._pooled(migration, workers)
+        if not pool.wait_idle(engines, MIGRATION_TIMEOUT_S):
             raise JobFailed(
                 f"{', '.join(engines)} still had requests in flight after {MIGRATION_TIMEOUT_S:g} s"
             )
-        return {"requests": [], "resumed_by": "rollout"}
+        return {"requests": [], "resumed_by": "rollout" if kind == "rollout" else "reference"}
 
     def _return_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         return {"requests": []}
@@ -956,8 +991,9 @@ class WorkloadMigration(_OncePerStep):
     def _shed_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         return {"requests": []}
 
-    def _clients(self, engines: list[str]) -> list[EngineClient]:
-        return [client for name, client in self.driver.pool.named_clients().items() if name in engines]
+    @staticmethod
+    def _clients(pool: EnginePool, engines: list[str]) -> list[EngineClient]:
+        return [client for name, client in pool.named_clients().items() if name in engines]
 
     def _rehome_push(self, migration: str, urls: list[str], push: bool) -> None:
         """Rank 0's weight push to exactly ``urls`` (a new group: the engines may hold the old
@@ -975,16 +1011,16 @@ class WorkloadMigration(_OncePerStep):
             gate.release(migration)
 
     def _release_devices(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        engines = self._rollout_only(workers)
-        pool = self.driver.pool
+        kind, pool, engines = self._pooled(migration, workers)
         remaining = [client.base_url for name, client in pool.named_clients().items() if name not in engines]
         if engines:
             pool.remove(engines)
-            self._rehome_push(migration, remaining, push=False)
+            if kind == "rollout":
+                self._rehome_push(migration, remaining, push=False)
         return {"released": engines}
 
     def _switch(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        pool = self.driver.pool
+        kind, pool = self._engines(migration)
         current = pool.named_clients()
         new = [w for w in workers if w not in current]
         handles = {w: worker_actor(w) for w in new}
@@ -997,8 +1033,11 @@ class WorkloadMigration(_OncePerStep):
         )
         clients = {w: EngineClient(urls[w]) for w in new}
         if new:
-            everyone = [c.base_url for c in current.values()] + [urls[w] for w in new]
-            self._rehome_push(migration, everyone, push=True)
+            if kind == "rollout":
+                everyone = [c.base_url for c in current.values()] + [urls[w] for w in new]
+                self._rehome_push(migration, everyone, push=True)
+            else:
+                self.driver.load_warm_start(clients)  # the reference never changes
             pool.add(clients)
             with self.driver._lock:
                 self.driver._workers.update(handles)
