@@ -236,6 +236,9 @@ class EnginePool:
         self.names: list[str] = list(clients)
         self._draining: set[str] = set()
         self._outstanding: dict[str, int] = dict.fromkeys(clients, 0)
+        # The rids of each call in flight that named them, by engine, with the order it began in.
+        self._calls: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
+        self._began = 0
 
     @classmethod
     def of(cls, engines: Sequence[EngineClient] | EnginePool) -> EnginePool:
@@ -257,9 +260,10 @@ class EnginePool:
             return dict(self._clients)
 
     @contextmanager
-    def acquire(self) -> Iterator[tuple[int, EngineClient]]:
+    def acquire(self, rids: Sequence[str] = ()) -> Iterator[tuple[int, EngineClient]]:
         """The active engine with the fewest of this pool's requests in flight (ties: the first
-        by name order); waits while none is active (a migration between removing and adding)."""
+        by name order); waits while none is active (a migration between removing and adding).
+        A call that names its ``rids`` may be shed to other engines while it runs (``shed``)."""
         with self._changed:
             if not self._changed.wait_for(
                 lambda: any(n not in self._draining for n in self._clients), timeout=self.wait_s
@@ -271,12 +275,38 @@ class EnginePool:
             )
             self._outstanding[name] += 1
             client = self._clients[name]
+            self._began += 1
+            call = (self._began, tuple(rids))
+            if rids:
+                self._calls.setdefault(name, []).append(call)
         try:
             yield self.names.index(name), client
         finally:
             with self._changed:
                 self._outstanding[name] -= 1
+                if rids:
+                    self._calls[name].remove(call)
                 self._changed.notify_all()
+
+    def shed(self, names: Sequence[str], share: float) -> dict[str, list[str]]:
+        """Which requests in flight on ``names`` to hand to the pool's other engines: about
+        ``share`` of them, whole calls, the latest begun first (the least generated, so the
+        least to prefill again), by engine. The caller aborts them on their engine; the rollout
+        then resumes each where ``acquire`` sends it: the least loaded engine, a new one first."""
+        with self._changed:
+            calls = sorted(
+                ((began, name, rids) for name in names for began, rids in self._calls.get(name, ())),
+                reverse=True,
+            )
+            target = round(max(0.0, min(1.0, share)) * sum(len(rids) for _, _, rids in calls))
+            chosen: dict[str, list[str]] = {}
+            taken = 0
+            for _, name, rids in calls:
+                if taken >= target:
+                    break
+                chosen.setdefault(name, []).extend(rids)
+                taken += len(rids)
+            return chosen
 
     def drain(self, names: Sequence[str]) -> None:
         with self._changed:
@@ -395,7 +425,7 @@ def rollout(
                 rids.append(sample_rid(job_id, iteration, prompt, sample, partial.attempt))
             if not batch_inputs:
                 break
-            with pool.acquire() as (engine, client):
+            with pool.acquire(rids) as (engine, client):
                 count(engine, 0, len(batch_inputs))
                 try:
                     results = client.generate_batch(

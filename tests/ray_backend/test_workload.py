@@ -7,6 +7,7 @@ paused engine that the rollback resumes serves again. The job's KL term is compu
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import ray
@@ -153,3 +154,100 @@ def test_reference_engines_leave_and_join_by_workload_while_the_job_trains(
     observe(agents, 4, [staying, new])
     trained(agents, 4)
     assert served(new) > before
+
+
+GROWING = 44
+GROWING_LAYOUT = {
+    "node-a": [
+        worker(GROWING, "rollout", 0, "rollout", 0),
+        worker(GROWING, "actor", 0, "actor", 1),
+        worker(GROWING, "reward", 0, "reward", 2),
+    ],
+    "node-b": [],
+}
+
+
+def rollout_step(
+    migration: str, index: int, kind: str, workers: list[str], devices: list[str], share: float = 0.0
+) -> dict[str, Any]:
+    payload = step(migration, index, kind, workers, devices)
+    payload["job"] = GROWING
+    payload["step"]["group_id"] = "rollout"
+    payload["step"]["share"] = share
+    return payload
+
+
+def observe_growing(agents: dict[str, RayBackend], iteration: int, rollout: list[str]) -> None:
+    groups = {
+        "rollout": {"kind": "rollout", "workers": rollout},
+        "actor": {"kind": "actor", "workers": [f"j{GROWING}-actor-w0"]},
+        "reward": {"kind": "reward", "workers": [f"j{GROWING}-reward-w0"]},
+    }
+    for backend in agents.values():
+        backend.observe_control(
+            {"jobs": {str(GROWING): {"iteration": iteration, "state": "running", "groups": groups}}}
+        )
+
+
+def test_a_rollout_growing_mid_generation_hands_its_new_engine_a_share_of_the_batch(
+    agents: dict[str, RayBackend],
+) -> None:
+    spec = tiny_spec(f"job-{GROWING}", actors=1, iterations=2)
+    for node, workers in GROWING_LAYOUT.items():
+        if workers:
+            outcome = agents[node].launch_workers({"job": GROWING, "spec": spec}, workers)
+            assert outcome["ok"], outcome
+    old, new = f"j{GROWING}-rollout-w0", "rollout-m44-1-w0"
+    observe_growing(agents, 0, [old])
+    entry = entry_until(
+        agents["node-a"], GROWING, lambda e: e.get("trained_iteration") == 0 or "failure" in e
+    )
+    assert "failure" not in entry, entry
+
+    # The new engine starts before the iteration opens; the old one is slowed (SGLang's
+    # /slow_down) so that the whole batch, sent to it when the iteration opens, is still being
+    # generated when the new engine joins.
+    migration = "m44-1"
+    run_steps(
+        agents,
+        [
+            rollout_step(migration, 0, "start_workers", [new], ["node-b/gpu0"]),
+            rollout_step(migration, 1, "health_check", [new], ["node-b/gpu0"]),
+        ],
+    )
+    slow = EngineClient(ray.get(job_driver.worker_actor(old).url.remote()))
+    slow.slow_down(0.5)
+    observe_growing(agents, 1, [old])
+    driver = job_driver.driver_handle(GROWING)
+
+    def generating() -> bool:
+        progress = ray.get(driver.progress.remote())
+        return progress["phase"] == "generating" and sum(t - d for d, t in progress["samples"].values()) == 8
+
+    deadline = time.monotonic() + 60
+    while not generating():
+        assert time.monotonic() < deadline, ray.get(driver.progress.remote())
+        time.sleep(0.05)
+    outcomes = [
+        agents[node].execute_step(payload)
+        for payload in [
+            rollout_step(migration, 2, "switch", [old, new], ["node-a/gpu0", "node-b/gpu0"]),
+            rollout_step(migration, 3, "shed_requests", [old], ["node-a/gpu0"], share=0.5),
+            rollout_step(migration, 4, "redistribute_requests", [new], ["node-b/gpu0"]),
+        ]
+        for node in sorted(agents)
+    ]
+    slow.slow_down(None)
+    shed = outcomes[2]["shed"]  # node-a's answer to shed_requests (both nodes get the same)
+    assert len(shed) == 4 and outcomes[3]["shed"] == shed  # half the batch: two groups of two
+    observe_growing(agents, 1, [old, new])
+    entry = entry_until(
+        agents["node-a"], GROWING, lambda e: e.get("trained_iteration") == 1 or "failure" in e
+    )
+    assert "failure" not in entry, entry
+    result = entry["results"][-1]
+    # Every sample once. The shed ones that had not finished when aborted were resumed, on the
+    # least loaded engine: the new one took its share of the batch in the iteration it joined.
+    assert result["samples"] == 8 and sum(result["samples_per_engine"]) == 8
+    assert 1 <= result["resumed_samples"] <= 4
+    assert result["samples_per_engine"][1] >= 1

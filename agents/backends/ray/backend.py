@@ -273,6 +273,7 @@ class RayBackend:
             "strategy": ctx.strategy,
             "group": ctx.group,
             "worker_ids": list(ctx.worker_ids),
+            "share": ctx.share,
         }
         try:
             result: dict[str, Any] = ray.get(handle.migration_step.remote(step), timeout=STEP_TIMEOUT_S)

@@ -915,8 +915,10 @@ class WorkloadMigration(_OncePerStep):
       push to the remaining ones, under the training gate); their agents then stop them;
     - ``switch`` (a growing group): the new engines get their weights (a rollout's: the
       trainer's current ones, pushed by rank 0 to all engines over a new group; a reference's:
-      the frozen warm-start checkpoint) and join the pool; ``shed_requests``: what was already
-      sent stays where it is; new requests go to the least loaded engine, the new ones first.
+      the frozen warm-start checkpoint) and join the pool; ``shed_requests``: a growing
+      rollout's old engines abort their share of the groups in flight (the latest begun first),
+      which the rollout resumes on the least loaded engines, the new ones first, so an
+      iteration's batch, all sent when it opened, spreads onto engines that join mid-way.
     """
 
     kinds = frozenset(
@@ -935,6 +937,7 @@ class WorkloadMigration(_OncePerStep):
     def __init__(self, driver: JobDriver) -> None:
         super().__init__(driver)
         self._kind_of: dict[str, str] = {}  # migration -> the kind of engines it moves
+        self._share_of: dict[str, float] = {}  # migration -> what its old members shed
 
     def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
         group = str(step.get("group", ""))
@@ -944,8 +947,10 @@ class WorkloadMigration(_OncePerStep):
                 f"the ray runtime moves rollout and inference engines by workload; "
                 f"{group or 'this group'} ({kind or 'unknown kind'}) is not one"
             )
+        migration = str(step["step_id"]).split(":", 1)[0]
         with self._lock:
-            self._kind_of[str(step["step_id"]).split(":", 1)[0]] = kind
+            self._kind_of[migration] = kind
+            self._share_of[migration] = float(step.get("share", 0.0))
         return super()._run(step)
 
     def _engines(self, migration: str) -> tuple[str, EnginePool]:
@@ -989,7 +994,22 @@ class WorkloadMigration(_OncePerStep):
         return {"requests": 0}
 
     def _shed_requests(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        return {"requests": []}
+        """The old members of a growing rollout abort their share of what they have in flight
+        (``EnginePool.shed``: whole groups, the latest begun first); the rollout resumes each
+        sample on the least loaded engine, the new ones first, with its partial output kept.
+        A reference's requests are single prefills: nothing waits long enough to shed."""
+        kind, pool, engines = self._pooled(migration, workers)
+        if kind != "rollout":
+            return {"requests": []}
+        with self._lock:
+            share = self._share_of.get(migration, 0.0)
+        chosen = pool.shed(engines, share)
+        clients = pool.named_clients()
+        for engine, rids in chosen.items():
+            for rid in rids:
+                clients[engine].abort_request(rid)
+        shed = sorted(rid for rids in chosen.values() for rid in rids)
+        return {"requests": [], "shed": shed, "resumed_by": "rollout"}
 
     @staticmethod
     def _clients(pool: EnginePool, engines: list[str]) -> list[EngineClient]:
