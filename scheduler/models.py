@@ -316,6 +316,9 @@ class GroupSignalsRecord(models.Model):
         return f"signals of {self.group}"
 
 
+TICK_NOTE_CHARS = 500
+
+
 class Tick(models.Model):
     """One run of the scheduling loop for one job, with its own duration."""
 
@@ -325,6 +328,12 @@ class Tick(models.Model):
     policy_ms = models.FloatField(default=0.0)
     outcome = models.CharField(max_length=32, help_text="no_change, decided, migration_in_flight, ...")
     decision_count = models.PositiveIntegerField(default=0)
+    note = models.CharField(
+        max_length=TICK_NOTE_CHARS,
+        blank=True,
+        default="",
+        help_text="why the policy moved nothing: the best move it weighed and why it lost",
+    )
 
     class Meta:
         ordering = ["-started_at", "-id"]

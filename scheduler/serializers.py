@@ -172,6 +172,7 @@ class TickSerializer(serializers.ModelSerializer):
             "policy_ms",
             "outcome",
             "decision_count",
+            "note",
         )
         read_only_fields: tuple[str, ...] = fields
 

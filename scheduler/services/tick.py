@@ -34,7 +34,7 @@ from scheduler.core.policies.serial import DroppedDecision, SerialDriver
 from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals
-from scheduler.models import GroupSignalsRecord, SchedulingDecision, Tick
+from scheduler.models import TICK_NOTE_CHARS, GroupSignalsRecord, SchedulingDecision, Tick
 from scheduler.services import gpu_migrations, placement_changes, predictor_errors, snapshots
 from scheduler.services.graph import build_hypergraph, core_device
 
@@ -132,6 +132,8 @@ def run_tick(job_id: int) -> Tick | None:
             if decision is not None and _start(job, tick, decision, graph, signals):
                 decisions += 1
                 outcome = "decided"
+            elif outcome == "no_change":
+                tick.note = policy.idle_note[:TICK_NOTE_CHARS]
             job.policy_state["policy"] = policy.state_to_json()
             job.policy_state["queued"] = driver.queued_to_json()
 
@@ -143,7 +145,7 @@ def run_tick(job_id: int) -> Tick | None:
         tick.policy_ms = policy_ms
         tick.outcome = outcome
         tick.decision_count = decisions
-        tick.save(update_fields=["duration_ms", "policy_ms", "outcome", "decision_count"])
+        tick.save(update_fields=["duration_ms", "policy_ms", "outcome", "decision_count", "note"])
         if outcome == "finished":
             _complete(job)
         return tick

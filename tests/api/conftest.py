@@ -116,7 +116,13 @@ def build_history(job: Job, operator: User) -> dict[str, Any]:
             component="", predicted=50.0, observed=0.0, recorded_at=now,
         ),
     ]  # fmt: skip
-    tick = Tick.objects.create(job=job, outcome="no_change", duration_ms=12.5, policy_ms=3.0)
+    tick = Tick.objects.create(
+        job=job,
+        outcome="no_change",
+        duration_ms=12.5,
+        policy_ms=3.0,
+        note="no group is idle enough to lend its GPUs",
+    )
     open_alert = Alert.objects.create(
         kind=AlertKind.WORKER_STUCK, subject="w1", job=job, message="stuck at 0%"
     )

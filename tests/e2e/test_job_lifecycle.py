@@ -74,7 +74,7 @@ def test_a_submitted_job_is_launched_and_the_tick_moves_its_gpus(live_stack: Liv
         return Migration.objects.filter(job=job, decision__policy="dynarl").exists()
 
     assert wait_until(decided, timeout_s=150), (
-        f"no decision; ticks: {list(Tick.objects.filter(job=job).values_list('outcome', flat=True)[:20])}"
+        f"no decision; ticks: {list(Tick.objects.filter(job=job).values_list('outcome', 'note')[:10])}"
         f"\n{live_stack.logs()}"
     )
     migration = Migration.objects.filter(job=job, decision__policy="dynarl").order_by("created_at").first()

@@ -160,6 +160,11 @@ def test_a_job_grows_only_into_free_devices_of_nodes_that_run_its_backend() -> N
     result = tick.run_tick(job.pk)
     assert result is not None and result.outcome == "no_change", result and result.outcome
     assert not SchedulingDecision.objects.filter(job=job).exists()
+    # Its row says why: the one move it could weigh breaks a worker limit.
+    assert (
+        result.note
+        == "best of 1 moves weighed, reward to actor (1 GPU): reward would drop to 0 workers, under its minimum 1"
+    )
 
     make_cluster({"node-c": ("H100", 4)})
     Node.objects.filter(name="node-c").update(backend="ray", backends=["ray"])

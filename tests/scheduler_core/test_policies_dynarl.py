@@ -160,7 +160,10 @@ def test_no_trigger_until_the_condition_is_sustained():
     signals = {k: GroupSignals(**{**v.to_json(), "window_s": 2.0}) for k, v in drained(graph).items()}
     assert policy.decide(graph, signals, [], now=90.0) == []
     assert policy.decide(graph, signals, [], now=97.0) == []  # 2 s window + 7 s held
+    # The tick's row says why nothing moved: which groups are idle, for how long, against what.
+    assert "rollout for 9.0s (sustain_s 10s)" in policy.idle_note
     assert policy.decide(graph, signals, [], now=98.0)
+    assert policy.idle_note == ""
 
 
 def test_a_break_in_the_condition_restarts_the_sustain_clock():
@@ -279,6 +282,11 @@ def test_no_move_when_the_gain_does_not_beat_the_migration_cost():
     assert policy.decide(graph, drained(graph), [], now=90.0) == []
     assert isinstance(policy, DynaRLPolicy)
     assert all("migration cost" in (c.rejected_because or "") for c in policy.last_candidates)
+    # The best of the moves it weighed, and why it lost, for the tick's row.
+    assert policy.idle_note.startswith(
+        f"best of {len(policy.last_candidates)} moves weighed, rollout to actor"
+    )
+    assert "outweighs the predicted gain" in policy.idle_note
 
 
 def test_no_move_when_the_gain_is_under_the_hysteresis_margin():

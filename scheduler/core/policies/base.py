@@ -94,6 +94,12 @@ class SchedulingPolicy(Protocol):
         """What the last iteration boundary's re-planning measured and concluded ("" if none)."""
         ...
 
+    @property
+    def idle_note(self) -> str:
+        """Why the last ``decide`` made no move: the best move it weighed and why it lost, or
+        why it weighed none ("" when it moved, or has nothing to say)."""
+        ...
+
     def state_to_json(self) -> dict[str, Any]:
         """What the policy remembers between ticks (loans, cooldowns, moves in flight)."""
         ...
@@ -167,6 +173,10 @@ class BasePolicy:
 
     @property
     def replan_note(self) -> str:
+        return ""
+
+    @property
+    def idle_note(self) -> str:
         return ""
 
     def iteration_advanced(self, graph: Hypergraph) -> bool:

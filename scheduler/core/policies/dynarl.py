@@ -226,6 +226,7 @@ class DynaRLPolicy(BasePolicy):
         self._placement_choice: PlacementChoice | None = None  # for the caller to carry out
         self._loans_before_change: list[Loan] = []  # loans a refused placement change gives back
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
+        self._idle_note = ""  # why the latest tick moved nothing, for the tick's row
         self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
         self._ever_ahead = False  # whether the rollout was ever seen generating ahead of the trainer
         self._iteration = 0
@@ -299,9 +300,11 @@ class DynaRLPolicy(BasePolicy):
         self.ledger.observe(graph, signals, now)
         if time_shared(graph):
             self.mode = Placement.COLOCATED  # the job was placed colocated (its spec, or a switch)
+        self._idle_note = ""
         if self.mode is Placement.COLOCATED:
             # Every stage time-shares every GPU: there is nothing to move until the boundary.
             self.last_candidates = ()
+            self._idle_note = "placed colocated: every stage time-shares every GPU until the iteration ends"
             return []
         self.memory.observe(graph, signals, now)
         self._ever_ahead = self._ever_ahead or self.memory.batches_ahead(graph.iteration) > 0
@@ -319,7 +322,8 @@ class DynaRLPolicy(BasePolicy):
         if under_way:
             self.last_candidates = ()
             if leg is None:
-                return []  # the previous leg has not landed yet
+                self._idle_note = "the previous leg of a pooled move has not landed yet"
+                return []
             if leg.donor is not None and leg.recipient is not None:
                 self.loans.pass_on(leg.donor, leg.recipient, leg.device_ids, now)
             return self._issued([leg], now)
@@ -338,6 +342,7 @@ class DynaRLPolicy(BasePolicy):
             considered.extend(candidates)
         self.last_candidates = tuple(considered)
         if decision is None:
+            self._idle_note = self._why_no_move(considered, signals, now)
             return []
         self._open_outcome(graph, signals, decision, now)
         self._probe_rollout(graph, signals, model, decision, now)
@@ -347,6 +352,32 @@ class DynaRLPolicy(BasePolicy):
         elif decision.donor is not None and decision.recipient is not None:
             self.loans.pass_on(decision.donor, decision.recipient, decision.device_ids, now)
         return self._issued([decision], now)
+
+    @property
+    def idle_note(self) -> str:
+        return self._idle_note
+
+    def _why_no_move(
+        self, considered: Sequence[Candidate], signals: Mapping[str, GroupSignals], now: float
+    ) -> str:
+        """The best move weighed and why it lost; with none weighed, which groups were idle and
+        for how long against ``sustain_s``."""
+        if considered:
+            best = max(considered, key=lambda c: c.score)
+            gpus = len(best.device_ids)
+            return (
+                f"best of {len(considered)} moves weighed, {best.donor or 'free GPUs'} to "
+                f"{best.recipient or 'the free pool'} ({gpus} GPU{'' if gpus == 1 else 's'}): "
+                f"{best.rejected_because or 'not chosen'}"
+            )
+        idle = {g: self._sustained_s(g, signals[g], now) for g in sorted(self._low_since) if g in signals}
+        if not idle:
+            return "no group is idle enough to lend its GPUs"
+        held = ", ".join(f"{g} for {s:.1f}s" for g, s in idle.items())
+        return (
+            f"idle: {held} (sustain_s {self.param_float('sustain_s'):g}s); no move to a group "
+            f"waiting for GPUs passed the checks (cooldowns, worker limits, loans due back)"
+        )
 
     def _needs_back(self, donor: HyperNode, model: PaceModel) -> bool:
         """Whether GPUs taken from ``donor`` are bound to return to it: a synchronous rollout's
