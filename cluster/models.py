@@ -30,6 +30,13 @@ class Node(models.Model):
         help_text="the job backends its agent runs (a job's spec `backend` must be one of them)",
     )
     agent_version = models.CharField(max_length=32, blank=True, default="")
+    steps_outlive_agent = models.BooleanField(
+        default=False,
+        help_text=(
+            "its backend's migration steps run on in workers that outlive the agent (ray): a "
+            "restarted agent carries an interrupted step out again"
+        ),
+    )
     labels = models.JSONField(default=dict, blank=True)
     registered_at = models.DateTimeField(default=timezone.now)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True, db_index=True)

@@ -164,3 +164,11 @@ class ReconcilingBackend(Protocol):
         their specs. Returns ``{"stopped": [names], "relaunched": [names]}``. Without this method
         the daemon stops the extra workers and launches again the running ones the backend lacks."""
         ...
+
+
+def steps_outlive_agent(backend: ExecutionBackend) -> bool:
+    """Whether the backend's migration steps run on in workers that outlive its agent
+    (``resumes_interrupted_steps``): a restarted agent then carries an interrupted step out again,
+    and the control plane waits for it at a point of no return rather than roll back a step that
+    may have taken effect."""
+    return bool(getattr(backend, "resumes_interrupted_steps", False))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agents.backends.base import ExecutionBackend, StepFailed
+from agents.backends.base import ExecutionBackend, StepFailed, steps_outlive_agent
 from agents.backends.faults import CRASH_EXIT_CODE, Fault, FaultMode, FaultPlan
 from agents.daemon.client import ApiError, Backoff, GaveUp, quote_id, retrying
 from agents.daemon.session import AgentSession, RegistrationRefused
@@ -328,7 +328,7 @@ class CommandRunner:
             record is not None
             and record.interrupted
             and kind == "migration_step"
-            and not getattr(self.backend, "resumes_interrupted_steps", False)
+            and not steps_outlive_agent(self.backend)
         ):
             log.warning("%s %s: %s", kind, command_id, INTERRUPTED_STEP)
             outcome = Outcome(in_hand.report_path, failure(INTERRUPTED_STEP, attempt=in_hand.attempt))

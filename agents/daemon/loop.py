@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from agents.backends.base import ExecutionBackend, ReconcilingBackend
+from agents.backends.base import ExecutionBackend, ReconcilingBackend, steps_outlive_agent
 from agents.backends.faults import FaultPlan
 from agents.daemon.client import ApiError, Backoff, ControlPlaneClient, GaveUp, retrying
 from agents.daemon.commands import CommandRunner
@@ -221,6 +221,7 @@ class Agent:
             backoff=self.backoff,
             stop=self.stopping,
             backends=offers,
+            steps_outlive_agent=steps_outlive_agent(backend),
         )
         runner = CommandRunner(
             session,

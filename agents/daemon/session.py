@@ -90,6 +90,7 @@ class AgentSession:
         backoff: Backoff,
         stop: threading.Event,
         backends: Sequence[str] = (),
+        steps_outlive_agent: bool = False,
     ) -> None:
         self.config = config
         self.client = client
@@ -97,6 +98,7 @@ class AgentSession:
         self.inventory = list(inventory)
         self.backend_name = backend_name
         self.backends = list(backends) or [backend_name]  # the job backends this agent runs
+        self.steps_outlive_agent = steps_outlive_agent
         self.backoff = backoff
         self.stop = stop
         self.settings = ProtocolSettings.from_reply({}, config.heartbeat_interval_s)
@@ -114,6 +116,7 @@ class AgentSession:
             "backend": self.backend_name,
             "backends": list(self.backends),
             "agent_version": agent_version(),
+            "steps_outlive_agent": self.steps_outlive_agent,
             "labels": dict(self.config.labels),
             "devices": [device.to_json() for device in self.inventory],
         }

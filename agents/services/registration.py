@@ -52,6 +52,7 @@ class Registration:
     agent_version: str
     labels: dict[str, Any]
     devices: tuple[DeviceSpec, ...]
+    steps_outlive_agent: bool = False
 
 
 def parse_registration(payload: Any) -> Registration:
@@ -69,6 +70,10 @@ def parse_registration(payload: Any) -> Registration:
     elif backends and backend not in backends:
         errors.append(FieldError("backends", f"must include the agent's backend {backend!r}"))
     agent_version = text_field(data, "agent_version", errors, max_length=32, default="")
+    steps_outlive_agent = data.get("steps_outlive_agent", False)
+    if not isinstance(steps_outlive_agent, bool):
+        errors.append(FieldError("steps_outlive_agent", "must be true or false"))
+        steps_outlive_agent = False
     labels = data.get("labels", {})
     if not isinstance(labels, Mapping):
         errors.append(FieldError("labels", "must be an object"))
@@ -111,6 +116,7 @@ def parse_registration(payload: Any) -> Registration:
         agent_version=agent_version,
         labels=dict(labels),
         devices=tuple(devices),
+        steps_outlive_agent=steps_outlive_agent,
     )
 
 
@@ -167,6 +173,7 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
                 backend=spec.backend,
                 backends=list(spec.backends),
                 agent_version=spec.agent_version,
+                steps_outlive_agent=spec.steps_outlive_agent,
                 labels=spec.labels,
                 registered_at=now,
                 last_heartbeat_at=now,
@@ -179,6 +186,7 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
             node.backend = spec.backend
             node.backends = list(spec.backends)
             node.agent_version = spec.agent_version
+            node.steps_outlive_agent = spec.steps_outlive_agent
             node.labels = spec.labels
             node.registered_at = now
             node.last_heartbeat_at = now
@@ -187,6 +195,7 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
                     "backend",
                     "backends",
                     "agent_version",
+                    "steps_outlive_agent",
                     "labels",
                     "registered_at",
                     "last_heartbeat_at",
@@ -211,6 +220,7 @@ def register(bootstrap: BootstrapToken, payload: Any) -> RegisterOutcome:
                 "commands_requeued": requeued,
                 "agent_version": spec.agent_version,
                 "backends": list(spec.backends),
+                "steps_outlive_agent": spec.steps_outlive_agent,
             },
         )
         if previous_backends is not None and previous_backends != node.backends:

@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from cluster.models import (
@@ -528,15 +528,42 @@ def fail_stuck_steps(migration: Migration, *, now: Any = None) -> None:
 
 def roll_back_node(node: Node, actor: Actor) -> list[Migration]:
     """A node was lost: the steps it was running fail, so their migrations roll back (or roll
-    forward past a point of no return, skipping the lost node)."""
+    forward past a point of no return, skipping the lost node). On a node whose workers run on
+    without their agent (``steps_outlive_agent``) a point of no return is the exception: a
+    restarted agent carries it out again and reports, and it may already have taken effect, so
+    it is waited for (its deadline in ``fail_stuck_steps`` bounds the wait), never rolled back
+    behind the workers' backs."""
     touched = []
-    running = MigrationStep.objects.filter(state=StepState.RUNNING, nodes__contains=[node.name])
-    for migration_pk in set(running.values_list("migration_id", flat=True)):
+
+    def running_there(steps: QuerySet[MigrationStep]) -> QuerySet[MigrationStep]:
+        steps = steps.filter(state=StepState.RUNNING, nodes__contains=[node.name])
+        if node.steps_outlive_agent:
+            steps = steps.exclude(point_of_no_return=True, is_rollback=False)
+        return steps
+
+    if node.steps_outlive_agent:
+        waited = MigrationStep.objects.filter(
+            state=StepState.RUNNING, nodes__contains=[node.name], point_of_no_return=True, is_rollback=False
+        )
+        for migration in Migration.objects.filter(pk__in=waited.values("migration_id")).select_related("job"):
+            audit.record(
+                actor,
+                "migration.node_lost",
+                migration,
+                job=migration.job,
+                reason=(
+                    f"node {node.name} lost at the point of no return: its workers run on without "
+                    f"the agent, so the step is waited for, not rolled back"
+                ),
+            )
+    for migration_pk in set(
+        running_there(MigrationStep.objects.all()).values_list("migration_id", flat=True)
+    ):
         with transaction.atomic():
             migration = Migration.objects.select_for_update().get(pk=migration_pk)
             if migration.state not in OPEN_MIGRATION_STATES:
                 continue
-            for row in migration.steps.filter(state=StepState.RUNNING, nodes__contains=[node.name]):
+            for row in running_there(migration.steps.all()):
                 _, execution = _load(migration)
                 message = f"node {node.name} lost"
                 if row.is_rollback:

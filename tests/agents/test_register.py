@@ -145,6 +145,7 @@ def test_invalid_registration_names_fields_and_writes_nothing(client: Client, bo
     body = {
         "host": "bad host!",
         "backend": "k8s",
+        "steps_outlive_agent": "yes",
         "devices": [
             {"index": 0, "hardware": "H100", "memory_gb": 80},
             {"index": 0, "hardware": "", "memory_gb": -1},
@@ -153,7 +154,14 @@ def test_invalid_registration_names_fields_and_writes_nothing(client: Client, bo
     response = post_register(client, bootstrap, body)
     assert response.status_code == 400  # type: ignore[attr-defined]
     paths = {f["path"] for f in response.json()["error"]["fields"]}  # type: ignore[attr-defined]
-    assert paths == {"host", "backend", "devices[1].index", "devices[1].hardware", "devices[1].memory_gb"}
+    assert paths == {
+        "host",
+        "backend",
+        "steps_outlive_agent",
+        "devices[1].index",
+        "devices[1].hardware",
+        "devices[1].memory_gb",
+    }
     assert not Node.objects.exists() and not Device.objects.exists()
     bad_json = client.post(
         "/api/v1/agent/register",
@@ -162,6 +170,14 @@ def test_invalid_registration_names_fields_and_writes_nothing(client: Client, bo
         headers={"Authorization": f"Bearer {bootstrap}"},
     )
     assert bad_json.status_code == 400 and bad_json.json()["error"]["fields"][0]["path"] == ""
+
+
+def test_an_agent_whose_steps_outlive_it_says_so_at_each_registration(client: Client, bootstrap: str) -> None:
+    register(client, bootstrap, "node-a", gpus=2)
+    assert Node.objects.get(name="node-a").steps_outlive_agent is False  # an older agent says nothing
+    register(client, bootstrap, "node-a", gpus=2, steps_outlive_agent=True)
+    assert Node.objects.get(name="node-a").steps_outlive_agent is True
+    assert AuditEvent.objects.filter(verb="node.reregister").latest("pk").payload["steps_outlive_agent"] is True
 
 
 def test_register_brings_a_lost_node_back(client: Client, bootstrap: str) -> None:

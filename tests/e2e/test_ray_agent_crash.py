@@ -29,6 +29,16 @@ from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack
 
+
+@pytest.fixture
+def stack_settings() -> dict[str, str]:
+    # A killed Ray agent comes back as a new Ray driver, which can take half a minute on a loaded
+    # two-core machine: the drills are about resuming the interrupted step, so its node is given
+    # longer before it counts as lost, and its step longer before it times out (what a lost
+    # node does to a step: tests/scheduler/test_gpu_migrations.py).
+    return {"NODE_LOST_AFTER_S": "120", "STEP_TIMEOUT_MIN_S": "180"}
+
+
 ITERATIONS = 400  # more than the drills take: the test cancels it once it trained on after them
 CRASH_EXIT = 70
 

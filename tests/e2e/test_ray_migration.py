@@ -65,7 +65,8 @@ def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
         )
         assert {"migration.plan", "migration.commit"} <= verbs, verbs
 
-    wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
+    # Within the test's own time limit, so that a job that stalls fails with the stack's logs.
+    wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=180)
     status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
     assert status == 200, results
     # Every iteration trained once, on the full batch, and pushed: one weight version per step,

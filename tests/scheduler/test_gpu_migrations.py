@@ -209,6 +209,56 @@ def test_lost_node_rolls_its_migration_back(running_job: Job) -> None:
     assert group_devices(running_job, "actor") == before_actor
 
 
+def drive_to_the_point_of_no_return() -> AgentCommand:
+    """Answer the migration's steps until its first point of no return is queued; that command."""
+    for _ in range(50):
+        commands = queued_step_commands()
+        for command in commands:
+            if command.payload["step"]["point_of_no_return"]:
+                return command
+        for command in commands:
+            gpu_migrations.report_step(
+                command.node, command.payload["step"]["step_id"], ok=True, attempt=command.payload["attempt"]
+            )
+    raise AssertionError("no point of no return was reached")
+
+
+@pytest.mark.parametrize("outlives", [True, False])
+def test_a_node_lost_at_the_point_of_no_return_is_waited_for_when_its_steps_outlive_its_agent(
+    running_job: Job, outlives: bool
+) -> None:
+    before = (group_devices(running_job, "rollout"), group_devices(running_job, "actor"))
+    migration = gpu_migrations.request_manual_migration(
+        running_job.pk, donor="rollout", recipient="actor", workers=2, actor=Actor.for_user(running_job.owner)
+    )
+    command = drive_to_the_point_of_no_return()
+    node = command.node
+    Node.objects.filter(pk=node.pk).update(status=NodeStatus.LOST, steps_outlive_agent=outlives)
+    node.refresh_from_db()
+    gpu_migrations.roll_back_node(node, Actor.system("liveness"))
+    step = MigrationStep.objects.get(migration=migration, step_id=command.payload["step"]["step_id"])
+    lost = AuditEvent.objects.get(verb="migration.node_lost", object_id=str(migration.pk))
+    if outlives:
+        # The agent's workers may have carried the step out: it stays running, the migration
+        # open, until the restarted agent reports it (or its deadline passes).
+        assert step.state == StepState.RUNNING
+        assert "waited for, not rolled back" in lost.reason
+        Node.objects.filter(pk=node.pk).update(status=NodeStatus.READY)
+        deliver_all()
+        migration.refresh_from_db()
+        assert migration.state == MigrationState.COMMITTED
+        assert group_devices(running_job, "actor") == before[1] | set(migration.device_uids)
+    else:
+        # Its workers died with it: the step failed before it took effect, and the migration
+        # rolled back to where it started.
+        assert step.state == StepState.FAILED and lost.reason == f"node {node.name} lost"
+        Node.objects.filter(pk=node.pk).update(status=NodeStatus.READY)
+        deliver_all()
+        migration.refresh_from_db()
+        assert migration.state == MigrationState.ROLLED_BACK
+        assert (group_devices(running_job, "rollout"), group_devices(running_job, "actor")) == before
+
+
 def test_manual_migration_errors_name_the_field(running_job: Job) -> None:
     actor = Actor.for_user(running_job.owner)
     cases = [
