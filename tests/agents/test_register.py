@@ -177,7 +177,9 @@ def test_an_agent_whose_steps_outlive_it_says_so_at_each_registration(client: Cl
     assert Node.objects.get(name="node-a").steps_outlive_agent is False  # an older agent says nothing
     register(client, bootstrap, "node-a", gpus=2, steps_outlive_agent=True)
     assert Node.objects.get(name="node-a").steps_outlive_agent is True
-    assert AuditEvent.objects.filter(verb="node.reregister").latest("pk").payload["steps_outlive_agent"] is True
+    assert (
+        AuditEvent.objects.filter(verb="node.reregister").latest("pk").payload["steps_outlive_agent"] is True
+    )
 
 
 def test_register_brings_a_lost_node_back(client: Client, bootstrap: str) -> None:

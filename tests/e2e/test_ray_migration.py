@@ -1,9 +1,11 @@
 """A real job's GPUs move on the live stack, through the REST API as an operator moves them: first
 a reward worker's GPU to the trainer (the reward side restarts, the trainer grows by p2p), then
 two rollout engines' GPUs to the trainer in the middle of generation (the engines are paused and
-what they had in flight is resumed on the remaining engine, the trainer grows by p2p again). The
-Ray agents carry every step out on the real workers, both migrations commit, and the job trains
-on at four ranks and succeeds, every iteration trained once on its whole batch."""
+what they had in flight is resumed on the remaining engine, the trainer grows by p2p again), then
+two of the trainer's GPUs to the reference (the trainer shrinks by p2p, the reference grows by two
+engines on the frozen warm-start weights). The Ray agents carry every step out on the real
+workers, every migration commits, and the job trains on and succeeds, every iteration trained
+once on its whole batch."""
 
 from __future__ import annotations
 
@@ -27,22 +29,27 @@ from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
 from tests.stack import LiveStack
 
-ITERATIONS = 24  # long enough (about a minute) for both moves to happen while it runs
+ITERATIONS = 32  # long enough (about a minute) for the three moves to happen while it runs
 
 
-def move(stack: LiveStack, job: Job, donor: str, workers: int) -> Migration:
-    """An operator's move of ``workers`` of ``donor``'s GPUs to the trainer, waited until it
-    committed; the trainer then owns the moved devices besides its own."""
+def move(stack: LiveStack, job: Job, donor: str, workers: int, recipient: str = "actor") -> Migration:
+    """An operator's move of ``workers`` of ``donor``'s GPUs to ``recipient``, waited until it
+    committed; the recipient then owns the moved devices besides its own."""
     before = allocation(job)
     status, body = stack.api(
         "POST",
         f"/api/v1/jobs/{job.pk}/migrate/",
-        {"donor": donor, "recipient": "actor", "workers": workers, "reason": "the trainer is the bottleneck"},
+        {
+            "donor": donor,
+            "recipient": recipient,
+            "workers": workers,
+            "reason": f"{recipient} is the bottleneck",
+        },
     )
     assert status == 202, body
     migration = wait_migration_finished(stack, Migration.objects.get(migration_id=body["migration_id"]), 300)
     assert migration.state == MigrationState.COMMITTED, (migration.error, stack.logs())
-    assert allocation(job)["actor"] == before["actor"] | set(migration.device_uids)
+    assert allocation(job)[recipient] == before[recipient] | set(migration.device_uids)
     return migration
 
 
@@ -57,6 +64,11 @@ def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
     ]
     assert len(live_workers(job, "actor")) == 4
     assert len(live_workers(job, "reward")) == 1 and len(live_workers(job, "rollout")) == 1
+    # Then two of the trainer's GPUs to the reference: the trainer shrinks by p2p, and two new
+    # reference engines start, load the frozen warm-start weights and take scoring requests.
+    committed.append(move(live_stack, job, "actor", workers=2, recipient="reference"))
+    assert len(live_workers(job, "actor")) == 2 and len(live_workers(job, "reference")) == 3
+    reference_grown = job.iteration
     for migration in committed:
         verbs = set(
             AuditEvent.objects.filter(
@@ -74,6 +86,9 @@ def test_an_operator_moves_reward_and_rollout_gpus_to_the_trainer_of_a_real_job(
     assert [r["iteration"] for r in results] == list(range(ITERATIONS))
     assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(ITERATIONS)]
     assert all(r["metrics"]["samples"] == 128 for r in results)
+    # The KL term to the reference was computed all along, also once the reference had grown.
+    assert all(r["metrics"]["kl"] is not None for r in results)
+    assert any(r["iteration"] > reference_grown for r in results)
 
     wait_released(live_stack, job)
     assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
