@@ -43,9 +43,19 @@ def picture(job: int, iteration: int, actors: list[str]) -> dict[str, Any]:
 
 
 def step(
-    job: int, migration: str, index: int, kind: str, workers: list[str], devices: list[str]
+    job: int,
+    migration: str,
+    index: int,
+    kind: str,
+    workers: list[str],
+    devices: list[str],
+    *,
+    group: str = "actor",
+    strategy: str = "p2p",
+    share: float = 0.0,
 ) -> dict[str, Any]:
-    """A migration_step command's payload, as the control plane sends it."""
+    """A migration_step command's payload, as the control plane sends it (the trainer's p2p steps
+    unless told otherwise; ``share`` for a growing group's shed_requests)."""
     return {
         "migration": migration,
         "job": job,
@@ -55,10 +65,11 @@ def step(
             "step_id": f"{migration}:{index:02d}:{kind}",
             "index": index,
             "kind": kind,
-            "group_id": "actor",
-            "strategy": "p2p",
+            "group_id": group,
+            "strategy": strategy,
             "device_ids": devices,
             "worker_ids": workers,
+            "share": share,
         },
     }
 

@@ -17,6 +17,7 @@ from agents.backends.ray.backend import RayBackend
 from runtime.engine.client import EngineClient
 from runtime.rl.job import INITIAL_WEIGHT_VERSION
 from tests.ray_backend.test_backend import entry_until, tiny_spec, worker
+from tests.ray_backend.test_p2p import step as p2p_step
 
 JOB = 43
 
@@ -69,21 +70,7 @@ def trained(agents: dict[str, RayBackend], iteration: int) -> dict[str, Any]:
 
 
 def step(migration: str, index: int, kind: str, workers: list[str], devices: list[str]) -> dict[str, Any]:
-    return {
-        "migration": migration,
-        "job": JOB,
-        "attempt": 1,
-        "is_rollback": False,
-        "step": {
-            "step_id": f"{migration}:{index:02d}:{kind}",
-            "index": index,
-            "kind": kind,
-            "group_id": "reference",
-            "strategy": "workload",
-            "device_ids": devices,
-            "worker_ids": workers,
-        },
-    }
+    return p2p_step(JOB, migration, index, kind, workers, devices, group="reference", strategy="workload")
 
 
 def run_steps(agents: dict[str, RayBackend], payloads: list[dict[str, Any]]) -> None:
@@ -170,11 +157,9 @@ GROWING_LAYOUT = {
 def rollout_step(
     migration: str, index: int, kind: str, workers: list[str], devices: list[str], share: float = 0.0
 ) -> dict[str, Any]:
-    payload = step(migration, index, kind, workers, devices)
-    payload["job"] = GROWING
-    payload["step"]["group_id"] = "rollout"
-    payload["step"]["share"] = share
-    return payload
+    return p2p_step(
+        GROWING, migration, index, kind, workers, devices, group="rollout", strategy="workload", share=share
+    )
 
 
 def observe_growing(agents: dict[str, RayBackend], iteration: int, rollout: list[str]) -> None:
