@@ -206,7 +206,8 @@ def cmd_jobs(cli: Cli) -> int:
 
 
 def cmd_job(cli: Cli) -> int:
-    job = cli.client().get(f"/api/v1/jobs/{cli.args.id}/")
+    client = cli.client()
+    job = client.get(f"/api/v1/jobs/{cli.args.id}/")
     if cli.as_json:
         cli.print_json(job)
         return EXIT_OK
@@ -231,6 +232,15 @@ def cmd_job(cli: Cli) -> int:
         ("started", tables.when(job["started_at"])),
         ("finished", tables.when(job["finished_at"])),
     ]
+    # The scheduler's latest word on the job: what its last tick did, and why nothing moved.
+    for tick in client.paginate("/api/v1/ticks/", {"job": job["id"], "page_size": 1}, limit=1):
+        facts.append(
+            (
+                "last tick",
+                f"{tick['outcome']} at {tables.when(tick['started_at'])}"
+                + (f": {tick['note']}" if tick["note"] else ""),
+            )
+        )
     for label, value in facts:
         cli.print(f"  {label:<10} {value}")
     groups = job.get("groups") or []

@@ -22,7 +22,7 @@ from cli.main import EXIT_API_ERROR, EXIT_OK, EXIT_USAGE, main
 from cluster.models import Device, Node
 from common.models import ApiToken
 from jobs.models import Job
-from scheduler.models import Migration
+from scheduler.models import Migration, Tick
 from tests.services import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -129,9 +129,14 @@ def test_submit_list_show_and_cancel(dynarl: Any, cluster: Node, tmp_path: Path)
     assert header.split()[:4] == ["ID", "NAME", "OWNER", "STATE"]
     assert row.split()[:4] == [str(job.pk), "math-small", "olivia", "admitted"]
 
+    Tick.objects.create(job=job, outcome="no_change", note="no group is idle enough to lend its GPUs")
     shown = dynarl("job", str(job.pk))
     assert shown.code == EXIT_OK
     assert "state      admitted (admitted)" in shown.out
+    # The scheduler's last word on it, and why it moved nothing.
+    [last_tick] = [line for line in shown.out.splitlines() if line.strip().startswith("last tick")]
+    assert last_tick.strip().startswith("last tick  no_change at ")
+    assert last_tick.endswith(": no group is idle enough to lend its GPUs")
     assert "6 allocated of 6 asked" in shown.out
     assert any(line.split()[:3] == ["rollout", "rollout", "4"] for line in shown.out.splitlines())
 
