@@ -93,6 +93,10 @@ def test_an_operator_watches_and_steers_a_running_job(live_stack: LiveStack, log
     expect(page.locator("#job-name")).to_have_text("page-job")
     expect(page.locator("#job-state")).to_have_text("running")
     expect(page.locator("#job-policy")).to_have_text("static-disaggregated")
+    # The scheduler's last tick, and why it moved nothing: this policy never does.
+    expect(page.locator("#last-tick")).to_contain_text(
+        "no change — static-disaggregated never moves GPUs", timeout=LIVE_TIMEOUT_MS
+    )
     expect(page.locator("#hypergraph g.hg-node")).to_have_count(2, timeout=LIVE_TIMEOUT_MS)
     expect(page.locator('#hypergraph g.hg-node[data-group="rollout"]')).to_contain_text("4 GPUs")
     expect(page.locator('#hypergraph g.hg-node[data-group="actor"]')).to_contain_text("2 GPUs")

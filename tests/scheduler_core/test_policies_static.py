@@ -29,6 +29,7 @@ def test_static_policies_never_move_anything(name: str, placement: Placement) ->
     assert make_policy("dynarl").decide(graph, signals, free_devices(4), now=0.0)  # the scene does trigger
     for now in (0.0, 30.0, 60.0):
         assert policy.decide(graph, signals, free_devices(4), now=now) == []
+        assert policy.idle_note == f"{name} never moves GPUs: the placement stays as the job started"
     assert policy.on_iteration_end(graph, now=90.0) == []
     assert policy.plan_initial_split(12, [rollout, actor]) is None
 

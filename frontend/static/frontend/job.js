@@ -654,6 +654,23 @@
   });
   const refreshDecisions = coalesced(loadDecisions, 500);
 
+  // The scheduler's latest tick, and why it moved nothing when it did not. Ticks come every
+  // second or so and are not pushed over the socket: the page asks while it is shown.
+  const LAST_TICK_EVERY_MS = 5000;
+  const loadLastTick = guarded("last tick", async () => {
+    const body = await api(`ticks/?job=${jobId}&page_size=1`);
+    const tick = body.results[0];
+    document.getElementById("last-tick").textContent = tick
+      ? `Last tick ${fmtTime(tick.started_at)}: ${tick.outcome.replaceAll("_", " ")}` + (tick.note ? ` — ${tick.note}` : "")
+      : "No tick yet.";
+  });
+  function pollLastTick() {
+    setTimeout(async () => {
+      if (!document.hidden) await loadLastTick();
+      pollLastTick();
+    }, LAST_TICK_EVERY_MS);
+  }
+
   function renderDecisions(fresh = new Set()) {
     const tbody = document.querySelector("#decision-log tbody");
     const rows = [];
@@ -914,7 +931,8 @@
     }, onStatus);
     await Promise.race([firstHello, new Promise((resolve) => setTimeout(resolve, 5000))]);
     await loadJob();
-    await Promise.all([loadSnapshot(), loadTimeline(), loadTelemetry(), loadPredictor(), loadDecisions(), loadMigrations(), loadResults()]);
+    await Promise.all([loadSnapshot(), loadTimeline(), loadTelemetry(), loadPredictor(), loadDecisions(), loadLastTick(), loadMigrations(), loadResults()]);
+    pollLastTick();
     loaded = true;
     for (const frame of early.splice(0)) onFrame(frame);
     root.dataset.ready = "true";

@@ -5,7 +5,13 @@ from __future__ import annotations
 from scheduler.core.policies.base import BasePolicy, Placement
 
 
-class StaticColocatedPolicy(BasePolicy):
+class _Static(BasePolicy):
+    @property
+    def idle_note(self) -> str:
+        return f"{self.name} never moves GPUs: the placement stays as the job started"
+
+
+class StaticColocatedPolicy(_Static):
     """verl-like: every component time-shares all of the job's GPUs, stage by stage.
 
     The phase switches are the placement's doing (the simulator or backend runs the stages in
@@ -16,7 +22,7 @@ class StaticColocatedPolicy(BasePolicy):
     placement = Placement.COLOCATED
 
 
-class StaticDisaggregatedPolicy(BasePolicy):
+class StaticDisaggregatedPolicy(_Static):
     """RLinf / AReaL-like fixed split: each group keeps the GPUs the job spec gave it.
 
     No parameters.
