@@ -611,6 +611,9 @@ def _finish(migration: Migration, plan: MigrationPlan, execution: PlanExecution)
     )
     migration.check_transition(target)
     migration.state = target
+    # The execution as it ended: a later advance (the tick's, after fail_stuck_steps) then
+    # finds it finished instead of replaying the steps that finished it.
+    migration.execution = execution.to_json()
     migration.save(update_fields=["state", "finished_at", "error", "execution"])
     verb = {"committed": "migration.commit", "rolled_back": "migration.rollback", "failed": "migration.fail"}
     audit.record(

@@ -6,6 +6,7 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from cluster.models import AgentCommand, CommandState, Device, Node, NodeStatus
 from common.audit import Actor
@@ -490,3 +491,47 @@ def test_the_policy_weighs_moves_at_what_the_jobs_migrations_took_not_the_model_
         running_job.pk, donor="rollout", recipient="actor", workers=1, actor=Actor.for_user(running_job.owner)
     )
     assert nxt.estimated_s <= done[-1].estimated_s  # not 6x: the actor only grew since
+
+
+def test_a_switch_that_times_out_after_one_node_reported_settles_once_and_stays_settled(
+    running_job: Job,
+) -> None:
+    migration = gpu_migrations.request_manual_migration(
+        running_job.pk, donor="actor", recipient="rollout", workers=1, actor=Actor.for_user(running_job.owner)
+    )
+    # Answer every step until the growing rollout's switch, which runs on both nodes.
+    for _ in range(50):
+        commands = queued_step_commands()
+        switches = [
+            c
+            for c in commands
+            if c.payload["step"]["kind"] == "switch" and c.payload["step"]["group_id"] == "rollout"
+        ]
+        if switches:
+            break
+        for c in commands:
+            gpu_migrations.report_step(
+                c.node, c.payload["step"]["step_id"], ok=True, attempt=c.payload["attempt"]
+            )
+    assert sorted(c.node.name for c in switches) == ["node-a", "node-b"]
+    # node-a answers; node-b's agent dies for good (its workers outlive it: it is waited for).
+    answered, silent = sorted(switches, key=lambda c: c.node.name)
+    gpu_migrations.report_step(
+        answered.node, answered.payload["step"]["step_id"], ok=True, attempt=answered.payload["attempt"]
+    )
+    Node.objects.filter(pk=silent.node.pk).update(status=NodeStatus.LOST, steps_outlive_agent=True)
+    silent.node.refresh_from_db()
+    gpu_migrations.roll_back_node(silent.node, Actor.system("liveness"))
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.RUNNING
+    # Past the step's deadline, as a tick does it: the stuck step fails, then the tick advances.
+    # The trainer's side had passed its point of no return and stays shrunk; the rollout's new
+    # worker is destroyed (nothing to run it on node-b), and the migration is rolled back once.
+    later = timezone.now() + timedelta(hours=1)
+    gpu_migrations.fail_stuck_steps(migration, now=later)
+    gpu_migrations.advance(migration)
+    migration.refresh_from_db()
+    assert migration.state == MigrationState.ROLLED_BACK
+    assert migration.steps.get(kind="destroy_new").state == StepState.DONE
+    gpu_migrations.advance(migration)  # a later tick finds nothing to do
+    assert AuditEvent.objects.filter(verb="migration.rollback", object_id=str(migration.pk)).count() == 1
