@@ -30,7 +30,9 @@ class Trajectory:
     engine sampled each token with, and the weight version it was sampled under (a response
     resumed after a weight update spans several). ``reference_logprobs``, per response token too,
     come from the reference policy (the ``inference`` workers) and are needed only when the KL
-    coefficient is non-zero.
+    coefficient is non-zero. ``trained`` marks, per response token, the policy's own tokens: an
+    agentic episode's response also holds what its tools answered, which the loss leaves out
+    (None: every token is the policy's).
     """
 
     prompt_ids: tuple[int, ...]
@@ -40,6 +42,7 @@ class Trajectory:
     reward: float
     group_id: str
     reference_logprobs: tuple[float, ...] | None = None
+    trained: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -52,9 +55,19 @@ class Trajectory:
         }
         if self.reference_logprobs is not None:
             per_token["reference_logprobs"] = len(self.reference_logprobs)
+        if self.trained is not None:
+            per_token["trained"] = len(self.trained)
         wrong = {name: n for name, n in per_token.items() if n != len(self.response_ids)}
         if wrong:
             raise ValueError(f"{len(self.response_ids)} response tokens but {wrong}")
+
+    @property
+    def trained_mask(self) -> tuple[bool, ...]:
+        return self.trained if self.trained is not None else (True,) * len(self.response_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self.response_ids) if self.trained is None else sum(self.trained)
 
 
 @dataclass(frozen=True)
@@ -107,8 +120,8 @@ class PackedBatch:
     """Trajectories as right-padded next-token tensors [batch, seq].
 
     Position t predicts ``targets[:, t]`` from ``input_ids[:, :t+1]``; ``response_mask`` marks the
-    positions whose target is a response token, and the per-token tensors are aligned with it
-    (zero elsewhere). ``advantages`` is one value per row.
+    positions whose target is a trained response token (not a tool's output), and the per-token
+    tensors are aligned with it (zero elsewhere). ``advantages`` is one value per row.
     """
 
     input_ids: torch.Tensor
@@ -146,7 +159,7 @@ def pack_trajectories(
         # Response token k is the target of position len(prompt) - 1 + k.
         first = len(trajectory.prompt_ids) - 1
         last = first + len(trajectory.response_ids)
-        response_mask[row, first:last] = True
+        response_mask[row, first:last] = torch.tensor(trajectory.trained_mask)
         sampling[row, first:last] = torch.tensor(trajectory.sampling_logprobs)
         if need_reference:
             if trajectory.reference_logprobs is None:

@@ -29,7 +29,7 @@ from runtime.model.sft import SFTConfig, supervised_warm_start
 from runtime.model.weights import megatron_to_engine
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.trainer import TrainerConfig, training_device
-from runtime.task.arithmetic import Problem, TaskConfig, generate_problems, iter_problems
+from runtime.task.arithmetic import TOOL_CALL_END, Problem, TaskConfig, generate_problems, iter_problems
 from runtime.task.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 # The weight version the warm-start weights carry: the trainer's version before its first step.
@@ -145,9 +145,9 @@ class RLJobConfig:
             raise ValueError(
                 f"RLJobConfig.model.vocab_size must be the task tokenizer's {vocab}, got {self.model.vocab_size}"
             )
-        # BOS, two operands, "+" and the newline; every prompt + response must fit the context
-        # of the engine and of the trainer's position embeddings.
-        longest_prompt = 1 + 2 * self.task.max_digits + 2
+        # BOS, the operands, the "+"s and the newline; every prompt + response must fit the
+        # context of the engine and of the trainer's position embeddings.
+        longest_prompt = 1 + self.task.longest_prompt_chars()
         if longest_prompt + self.max_new_tokens > self.model.max_positions:
             raise ValueError(
                 f"RLJobConfig.max_new_tokens: the longest prompt ({longest_prompt} tokens) plus "
@@ -195,11 +195,15 @@ class RLJobConfig:
 
     def sampling_params(self, seed: int) -> dict[str, Any]:
         """SGLang ``sampling_params`` of one rollout sample. EOS is named as a stop token, so a
-        server that does not know this tokenizer's EOS stops there too."""
+        server that does not know this tokenizer's EOS stops there too; with the calculator, a
+        turn also stops where the model ends a tool call."""
+        stops = [EOS_ID]
+        if self.task.calculator:
+            stops.append(CharTokenizer().encode(TOOL_CALL_END)[0])
         return {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
-            "stop_token_ids": [EOS_ID],
+            "stop_token_ids": stops,
             "sampling_seed": seed,
         }
 
@@ -283,9 +287,11 @@ def sample_rid(job_id: str, iteration: int, prompt: int, sample: int, attempt: i
     return make_rid(job_id, iteration, sample, attempt, prompt=prompt)
 
 
-def sample_seed(config: RLJobConfig, iteration: int, prompt: int, sample: int) -> int:
-    """The sampling seed of one sample, so a rollout does not depend on which engine served it
-    or in which order."""
+def sample_seed(config: RLJobConfig, iteration: int, prompt: int, sample: int, turn: int = 0) -> int:
+    """The sampling seed of one sample (of one turn of an agentic episode), so a rollout does
+    not depend on which engine served it or in which order."""
+    if turn:
+        return _derived_seed("dynarl-sampling", config.seed, iteration, prompt, sample, turn)
     return _derived_seed("dynarl-sampling", config.seed, iteration, prompt, sample)
 
 

@@ -266,7 +266,7 @@ class Trainer:
         # Advantages and the loss normaliser come from the whole global batch, which every rank
         # holds, so no communication is needed for them and groups may straddle ranks.
         advantages = trajectory_advantages(samples, grpo.advantage_eps)
-        global_tokens = float(sum(len(t.response_ids) for t in samples))
+        global_tokens = float(sum(t.trained_tokens for t in samples))
         share = self.local_samples(samples)
         share_offset = self.rank * len(share)
         bounds = list(self.micro_batches(share))
@@ -283,7 +283,10 @@ class Trainer:
                 need_reference,
             )
             stale_tokens += sum(
-                version != self.weight_version for t in micro for version in t.weight_versions
+                version != self.weight_version
+                for t in micro
+                for version, trained in zip(t.weight_versions, t.trained_mask, strict=True)
+                if trained
             )
             last = index == len(bounds) - 1
             sync: AbstractContextManager[None] = nullcontext() if last else model.no_sync()

@@ -48,7 +48,8 @@ from runtime.engine.client import EngineClient, EngineError
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig, Trajectory
 from runtime.rl.job import INITIAL_WEIGHT_VERSION, RLJobConfig, warm_start_checkpoint, warm_start_weights
-from runtime.rl.loop import EnginePool, EngineReference, IterationReport, run_iteration
+from runtime.rl.loop import EngineReference, IterationReport, run_iteration
+from runtime.rl.rollout import EnginePool
 from runtime.rl.trainer import TrainerConfig, TrainStepMetrics
 from runtime.task.arithmetic import Problem, TaskConfig
 from runtime.task.tokenizer import CharTokenizer

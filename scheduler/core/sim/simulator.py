@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from runtime.rl.router import DataRouter, RoutedRequest, RouterMode
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Decision
 from scheduler.core.hypergraph import (
@@ -40,7 +41,6 @@ from scheduler.core.hypergraph import (
     Worker,
 )
 from scheduler.core.policies.base import Placement, PlacementChange
-from scheduler.core.router import DataRouter, RoutedRequest, RouterMode
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals, WorkerSample
 from scheduler.core.sim.engine import Engine, SimRequest

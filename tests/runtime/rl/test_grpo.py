@@ -93,6 +93,27 @@ def test_packing_aligns_response_tokens_with_their_log_probs() -> None:
         pack_trajectories(without_reference, torch.zeros(1), pad_id=0, need_reference=True)
 
 
+def test_a_tools_tokens_in_a_response_are_context_but_not_trained() -> None:
+    """An agentic response "6 7 | 8 9 | 2" where 8 9 is a tool's answer: the tool's tokens stay
+    in the input (later tokens are predicted from them) but are no target of the loss."""
+    tool_answer = Trajectory(
+        prompt_ids=(1, 4),
+        response_ids=(6, 7, 8, 9, 2),
+        sampling_logprobs=(-0.1, -0.2, 0.0, 0.0, -0.5),
+        weight_versions=("0", "0", None, None, "0"),
+        reward=1.0,
+        group_id="g",
+        trained=(True, True, False, False, True),
+    )
+    assert tool_answer.trained_tokens == 3
+    batch = pack_trajectories([tool_answer], torch.ones(1), pad_id=0, need_reference=False)
+    assert batch.input_ids[0].tolist() == [1, 4, 6, 7, 8, 9]
+    assert batch.targets[0][batch.response_mask[0]].tolist() == [6, 7, 2]
+    assert batch.response_tokens == 3
+    with pytest.raises(ValueError, match="trained"):
+        Trajectory((1,), (5, 6), (-0.1, -0.2), ("0", "0"), 1.0, "g", trained=(True,))
+
+
 def test_loss_at_ratio_one_with_zero_kl_is_minus_the_token_mean_advantage() -> None:
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(3, 6, generator=generator)

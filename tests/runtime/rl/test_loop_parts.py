@@ -15,15 +15,14 @@ from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.job import RLJobConfig, iteration_problems, warm_start_weights
 from runtime.rl.loop import (
-    EnginePool,
     InProcessTrainerGroup,
     IterationReport,
     LengthStats,
     WeightVersionMismatchError,
-    rollout,
     run_iteration,
     verify_weight_versions,
 )
+from runtime.rl.rollout import EnginePool, rollout
 from runtime.rl.weight_push import WeightPusher
 from runtime.task.arithmetic import TaskConfig, score
 from runtime.task.tokenizer import CharTokenizer

@@ -1,4 +1,5 @@
-"""DataRouter: the per-WorkerGroup request queue of DynaRL's Algorithm 2.
+"""DataRouter: the per-WorkerGroup request queue of DynaRL's Algorithm 2 (the agentic rollout dispatches
+through it, and the simulator models a worker group's queue with it).
 
 Ordering in PRIORITY mode: more completed tool calls first, then a longer KV-cache prefix, then
 older first; FIFO mode orders by age only. On top of either order:

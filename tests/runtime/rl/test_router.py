@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from scheduler.core.router import TURN_LENGTH_MIN_SAMPLES, DataRouter, RoutedRequest, RouterMode
+from runtime.rl.router import TURN_LENGTH_MIN_SAMPLES, DataRouter, RoutedRequest, RouterMode
 
 
 def _req(
