@@ -101,7 +101,9 @@ def engines(
 def run_routing(
     routing: Routing, config: RLJobConfig, weights: dict[str, torch.Tensor], args: argparse.Namespace
 ) -> RoutingResult:
-    settings = AgenticSettings(routing=routing, slots_per_engine=args.slots, affinity_wait_s=args.affinity_wait)
+    settings = AgenticSettings(
+        routing=routing, slots_per_engine=args.slots, affinity_wait_s=args.affinity_wait
+    )
     agent = AgentLoop(Calculator(latency_s=args.tool_latency), settings)
     stats: list[AgenticStats] = []
     samples: list[RolloutSample] = []
@@ -140,12 +142,16 @@ def table(results: Sequence[RoutingResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8, help="turns one engine runs at once")
     parser.add_argument("--cache-tokens", type=int, default=512, help="each engine's prefix-cache budget")
     parser.add_argument("--tool-latency", type=float, default=0.02, help="seconds per calculator call")
-    parser.add_argument("--affinity-wait", type=float, default=2.0, help="priority: seconds a turn waits for its engine")
+    parser.add_argument(
+        "--affinity-wait", type=float, default=2.0, help="priority: seconds a turn waits for its engine"
+    )
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
@@ -155,7 +161,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--warm-start-steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warm-start-cache", type=Path, default=Path(tempfile.gettempdir()) / "dynarl-warm-start")
+    parser.add_argument(
+        "--warm-start-cache", type=Path, default=Path(tempfile.gettempdir()) / "dynarl-warm-start"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 

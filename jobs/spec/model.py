@@ -125,10 +125,14 @@ class RuntimeSpec:
     # Rollout and inference engines: real SGLang where it is installed and CUDA is present, else
     # the CPU stand-in ("auto"); "sglang" fails a worker that cannot run it; "cpu" always the stand-in.
     engine: str = "auto"
+    # An agentic job's dispatch of turns to engines: "priority" (the DataRouter's order and KV
+    # affinity) or "fifo".
+    routing: str = "priority"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "engine": self.engine,
+            "routing": self.routing,
             "model": self.model.to_json(),
             "task": {"max_digits": self.max_digits, "zipf_exponent": self.zipf_exponent},
             "dataset_size": self.dataset_size,
@@ -154,6 +158,7 @@ class RuntimeSpec:
             micro_batch_size=int(data["micro_batch_size"]),
             warm_start_steps=int(data["warm_start_steps"]),
             engine=str(data.get("engine", "auto")),
+            routing=str(data.get("routing", "priority")),
         )
 
 

@@ -28,22 +28,34 @@ RUNTIME_KEYS: Final = (
     "kl_coef",
     "micro_batch_size",
     "warm_start_steps",
+    "routing",
 )
 RUNTIME_MODEL_KEYS: Final = ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_positions")
 TASK_KEYS: Final = ("max_digits", "zipf_exponent")
 # The rollout engines a job may ask for (runtime/engine/sglang_server.py chooses between them).
 ENGINES: Final = ("auto", "sglang", "cpu")
-RAY_KINDS: Final = (ComponentKind.ROLLOUT, ComponentKind.INFERENCE, ComponentKind.REWARD, ComponentKind.ACTOR)
+RAY_KINDS: Final = (
+    ComponentKind.ROLLOUT,
+    ComponentKind.INFERENCE,
+    ComponentKind.REWARD,
+    ComponentKind.TOOL,
+    ComponentKind.ACTOR,
+)
+# How an agentic job's turns reach the engines (runtime/rl/agentic.py): the DataRouter's order
+# with KV affinity, or arrival order on any engine.
+ROUTINGS: Final = ("priority", "fifo")
 # Bounds that keep a job a small model on the hosts' CPUs or GPUs, not a mistake that runs for days.
 MAX_HIDDEN: Final = 4096
 MAX_LAYERS: Final = 48
 MAX_POSITIONS: Final = 8192
 MAX_DIGITS: Final = 64
+# An agentic episode sums workload.max_turns numbers with the calculator.
+MAX_AGENTIC_TURNS: Final = 32
 
 
-def prompt_tokens(max_digits: int) -> int:
-    """The longest prompt of the task: BOS, two operands, '+' and a newline."""
-    return 2 * max_digits + 3
+def prompt_tokens(max_digits: int, terms: int = 2) -> int:
+    """The longest prompt of the task: BOS, ``terms`` operands, the '+'s and a newline."""
+    return terms * max_digits + terms + 1
 
 
 def read_runtime(
@@ -93,6 +105,7 @@ def read_runtime(
             )
             or 0,
             engine=section.string("engine", defaults.engine, choices=ENGINES) or defaults.engine,
+            routing=section.string("routing", defaults.routing, choices=ROUTINGS) or defaults.routing,
         )
     _check_job(top, runtime, workload, drafts)
     ok = len(top.problems.errors) == before
@@ -129,6 +142,24 @@ def _check_job(
                 f"the ray runtime runs {', '.join(k.value for k in RAY_KINDS)} components, not {draft.kind.value!r}",
             )
     kinds = {draft.kind for draft in drafts}
+    agentic = workload is not None and workload.kind == "agentic"
+    if agentic and ComponentKind.TOOL not in kinds:
+        problems.add(
+            "components",
+            "an agentic job on the ray backend needs a tool component (its workers run the calculator)",
+        )
+    if workload is not None and not agentic:
+        for draft in drafts:
+            if draft.kind is ComponentKind.TOOL:
+                problems.add(
+                    f"components[{draft.index}].kind",
+                    f"a tool component needs workload.kind agentic (the ray runtime's tool is the agentic "
+                    f"task's calculator); workload.kind is {workload.kind!r}",
+                )
+        if runtime.routing != RuntimeSpec().routing:
+            problems.add(
+                "runtime.routing", f"only applies when workload.kind is agentic (it is {workload.kind!r})"
+            )
     if ComponentKind.REWARD not in kinds:
         problems.add(
             "components", "a job on the ray backend needs a reward component (its reward workers score)"
@@ -140,17 +171,28 @@ def _check_job(
         )
     if workload is None:
         return
-    if workload.kind != "math":
-        problems.add("workload.kind", f"the ray runtime runs math workloads, not {workload.kind!r}")
+    if workload.kind not in ("math", "agentic"):
+        problems.add(
+            "workload.kind", f"the ray runtime runs math and agentic workloads, not {workload.kind!r}"
+        )
     if workload.staleness:
         problems.add("workload.staleness", "the ray runtime trains synchronously: staleness must be 0")
-    longest = prompt_tokens(runtime.max_digits) + workload.max_new_tokens
+    terms = 2
+    if agentic and workload.max_turns is not None:
+        if not 2 <= workload.max_turns <= MAX_AGENTIC_TURNS:
+            problems.add(
+                "workload.max_turns",
+                f"an agentic ray job's episode sums max_turns numbers, one calculator call per turn but the "
+                f"last: it must be between 2 and {MAX_AGENTIC_TURNS}, got {workload.max_turns}",
+            )
+        terms = workload.max_turns
+    longest = prompt_tokens(runtime.max_digits, terms) + workload.max_new_tokens
     if longest > runtime.model.max_positions:
         problems.add(
             "workload.max_new_tokens",
-            f"the longest prompt ({prompt_tokens(runtime.max_digits)} tokens at runtime.task.max_digits="
-            f"{runtime.max_digits}) plus {workload.max_new_tokens} new tokens exceeds "
-            f"runtime.model.max_positions ({runtime.model.max_positions})",
+            f"the longest prompt ({prompt_tokens(runtime.max_digits, terms)} tokens at runtime.task.max_digits="
+            f"{runtime.max_digits}{f' and {terms} terms' if agentic else ''}) plus {workload.max_new_tokens} "
+            f"new tokens exceeds runtime.model.max_positions ({runtime.model.max_positions})",
         )
     batch = workload.samples_per_iteration
     for draft in drafts:

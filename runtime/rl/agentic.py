@@ -83,6 +83,10 @@ class AgenticSettings:
         if self.poll_s <= 0:
             raise ValueError(f"poll_s must be positive, got {self.poll_s}")
 
+    @classmethod
+    def for_job(cls, config: RLJobConfig, slots_per_engine: int) -> AgenticSettings:
+        return cls(routing=Routing(config.routing), slots_per_engine=slots_per_engine)
+
     def new_router(self) -> DataRouter:
         """A router for a job's rollout group; it lives as long as the job (its turn-length
         statistics decide priority against FIFO)."""

@@ -38,6 +38,10 @@ INITIAL_WEIGHT_VERSION = "0"
 _WARM_START_CACHE_FORMAT = 2
 
 
+# How an agentic job's turns reach the engines (runtime.rl.agentic.Routing's values).
+ROUTINGS = ("priority", "fifo")
+
+
 def _derived_seed(*parts: object) -> int:
     """A 31-bit seed from the parts, stable across processes and Python versions (unlike hash())."""
     digest = hashlib.sha256("/".join(str(part) for part in parts).encode()).digest()
@@ -87,6 +91,11 @@ class RLJobConfig:
     warm_start_batch_size: int = 16
     warm_start_learning_rate: float = 5e-3
     warm_start_warmup_steps: int = 20
+    # The agentic variant (task.calculator): the calculator's latency per call, and how its
+    # turns are dispatched to the engines ("priority": the DataRouter's order and KV affinity;
+    # "fifo": arrival order, any engine).
+    tool_latency_s: float = 0.0
+    routing: str = "priority"
 
     _INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "seed",
@@ -105,6 +114,7 @@ class RLJobConfig:
         "weight_decay",
         "max_grad_norm",
         "warm_start_learning_rate",
+        "tool_latency_s",
     )
     _NESTED: ClassVar[dict[str, type]] = {"model": GPTConfig, "task": TaskConfig, "grpo": GRPOConfig}
 
@@ -140,6 +150,12 @@ class RLJobConfig:
                 raise ValueError(f"RLJobConfig.{name} must be positive, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"RLJobConfig.weight_decay must be non-negative, got {self.weight_decay}")
+        if self.tool_latency_s < 0:
+            raise ValueError(f"RLJobConfig.tool_latency_s must be non-negative, got {self.tool_latency_s}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(
+                f"RLJobConfig.routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}"
+            )
         vocab = CharTokenizer().vocab_size
         if self.model.vocab_size != vocab:
             raise ValueError(

@@ -62,6 +62,7 @@ def test_the_runtime_section_is_read_and_stored() -> None:
         "micro_batch_size": 4,
         "warm_start_steps": 30,
         "engine": "cpu",
+        "routing": "priority",
     }
     spec = parse_spec(_ray_job(runtime=runtime))
     assert spec.runtime is not None
@@ -106,7 +107,7 @@ def test_bad_runtime_values_name_the_field(runtime: dict[str, Any], path: str, s
 def test_the_runtime_rules_across_sections() -> None:
     document = _ray_job(
         workload={
-            "kind": "agentic",
+            "kind": "math",
             "iterations": 2,
             "prompts_per_iteration": 3,
             "samples_per_prompt": 1,
@@ -118,14 +119,44 @@ def test_the_runtime_rules_across_sections() -> None:
             {"name": "tools", "kind": "tool", "workers": 1},
             {"name": "actor", "kind": "actor", "workers": 2},
         ],
+        runtime={"routing": "fifo"},
     )
     errors = _errors(document)
-    assert errors["components[1].kind"].startswith("the ray runtime runs rollout, inference, reward, actor")
+    assert errors["components[1].kind"].startswith("a tool component needs workload.kind agentic")
+    assert errors["runtime.routing"].startswith("only applies when workload.kind is agentic")
     assert errors["components"].startswith("a job on the ray backend needs a reward component")
-    assert errors["workload.kind"].startswith("the ray runtime runs math workloads")
     assert errors["workload.staleness"].startswith("the ray runtime trains synchronously")
     assert "exceeds runtime.model.max_positions (64)" in errors["workload.max_new_tokens"]
     assert "does not over [2]" in errors["components[2]"]
+
+
+AGENTIC_WORKLOAD = {
+    "kind": "agentic",
+    "iterations": 2,
+    "prompts_per_iteration": 8,
+    "samples_per_prompt": 4,
+    "max_new_tokens": 40,
+    "max_turns": 4,
+    "tool_latency_s": 0.01,
+}
+
+
+def test_an_agentic_ray_job_needs_tool_workers_and_a_sane_number_of_turns() -> None:
+    errors = _errors(_ray_job(workload={**AGENTIC_WORKLOAD, "max_turns": 1}))
+    assert errors["components"].startswith("an agentic job on the ray backend needs a tool component")
+    assert errors["workload.max_turns"].startswith("an agentic ray job's episode sums max_turns numbers")
+    # The prompt holds max_turns numbers: 4 terms of 2 digits, the +s, BOS and the newline.
+    long = _errors(_ray_job(workload={**AGENTIC_WORKLOAD, "max_new_tokens": 60}))
+    assert "the longest prompt (13 tokens at runtime.task.max_digits=2 and 4 terms)" in long["workload.max_new_tokens"]
+
+
+def test_an_agentic_ray_job_with_tool_workers_is_accepted_with_its_routing() -> None:
+    components = [*_ray_job()["components"], {"name": "tools", "kind": "tool", "workers": 1}]
+    spec = parse_spec(_ray_job(workload=AGENTIC_WORKLOAD, components=components, runtime={"routing": "fifo"}))
+    assert spec.runtime is not None and spec.runtime.routing == "fifo"
+    assert spec.workload.max_turns == 4
+    errors = _errors(_ray_job(workload=AGENTIC_WORKLOAD, components=components, runtime={"routing": "lifo"}))
+    assert errors["runtime.routing"].startswith("must be one of priority, fifo")
 
 
 def test_a_kl_penalty_with_an_inference_component_is_accepted() -> None:

@@ -20,7 +20,8 @@ engines' addresses) is given later by the job's driver (``agents.backends.ray.dr
   that the other workers' processes do not import megatron-core), one data-parallel rank of the
   trainer (``runtime.rl.trainer``); rank 0 hosts the TCP store its peers join, and the
   weight-update group of the engines;
-- ``reward``: ``RewardWorker``, the rule-based exact-match reward.
+- ``reward``: ``RewardWorker``, the rule-based exact-match reward;
+- ``tool``: ``ToolWorker``, the agentic job's calculator (``runtime.task.calculator``).
 
 Each worker also answers ``usage()``: what it did so far (busy seconds, tokens, its process's CPU
 time), from which the agent's telemetry takes differences.
@@ -51,12 +52,15 @@ from runtime.engine.sglang_server import SGLangServer, choose_engine
 from runtime.model.checkpoint import save_checkpoint
 from runtime.model.config import GPTConfig
 from runtime.task.arithmetic import Problem, score
+from runtime.task.calculator import Calculator, ToolCallError
 from runtime.task.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # Ray sets CUDA_VISIBLE_DEVICES to the GPU ids it picked unless told not to.
 KEEP_OUR_DEVICES: Final = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 ENGINE_KINDS: Final = ("rollout", "inference")
 WORKER_THREADS: Final = 2
+# Calls one tool worker serves at once: the calculator's latency stands for a remote tool's.
+TOOL_CONCURRENCY: Final = 16
 
 
 # The control plane names a job's workers j<job>-<group>-w<i> at launch and <group>-m<job>-<decision>-w<k>
@@ -116,7 +120,8 @@ def process_cpu_seconds() -> float:
 
 
 class Usage:
-    """Busy-time bookkeeping shared by the workers that work in calls (trainer, reward)."""
+    """Busy-time bookkeeping shared by the workers that work in calls (trainer, reward, tool).
+    Calls may overlap (a tool worker's do): the worker is busy while at least one runs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -124,31 +129,40 @@ class Usage:
         self._waiting_s = 0.0
         self._tokens = 0
         self._items = 0
+        self._running = 0
+        self._busy_since = 0.0
         self._idle_since: float | None = None
 
     def begin(self) -> float:
         now = time.monotonic()
         with self._lock:
-            if self._idle_since is not None:
-                self._waiting_s += now - self._idle_since
-            self._idle_since = None
+            if self._running == 0:
+                if self._idle_since is not None:
+                    self._waiting_s += now - self._idle_since
+                self._idle_since = None
+                self._busy_since = now
+            self._running += 1
         return now
 
     def end(self, started: float, *, tokens: int = 0, items: int = 1) -> None:
         now = time.monotonic()
         with self._lock:
-            self._busy_s += now - started
+            self._running -= 1
             self._tokens += tokens
             self._items += items
-            self._idle_since = now
+            if self._running == 0:
+                self._busy_s += now - self._busy_since
+                self._idle_since = now
 
     def reading(self) -> WorkerUsage:
         with self._lock:
-            # A wait still going on counts up to now, so a long wait shows while it lasts.
-            ongoing = 0.0 if self._idle_since is None else time.monotonic() - self._idle_since
+            now = time.monotonic()
+            # A wait or a call still going on counts up to now, so a long one shows while it lasts.
+            waiting = 0.0 if self._idle_since is None else now - self._idle_since
+            busy = now - self._busy_since if self._running else 0.0
             return WorkerUsage(
-                busy_s=self._busy_s,
-                waiting_s=self._waiting_s + ongoing,
+                busy_s=self._busy_s + busy,
+                waiting_s=self._waiting_s + waiting,
                 tokens=self._tokens,
                 items=self._items,
                 cpu_s=process_cpu_seconds(),
@@ -238,6 +252,29 @@ class RewardWorker:
         return self._usage.reading()
 
 
+class ToolWorker:
+    """The agentic job's tool: the calculator, with the job's latency per call. Calls run
+    concurrently (``TOOL_CONCURRENCY``): a tool worker waits on its tool, not on a core."""
+
+    def __init__(self, latency_s: float) -> None:
+        torch.set_num_threads(1)
+        self._calculator = Calculator(latency_s=latency_s)
+        self._usage = Usage()
+
+    def call(self, expression: str) -> str | None:
+        """The calculator's answer, or None for an expression it refuses."""
+        started = self._usage.begin()
+        try:
+            return self._calculator.call(expression)
+        except ToolCallError:
+            return None
+        finally:
+            self._usage.end(started)
+
+    def usage(self) -> WorkerUsage:
+        return self._usage.reading()
+
+
 def free_port() -> int:
     """A port free on this node now (the caller binds it next)."""
     with socket.socket() as probe:
@@ -264,7 +301,10 @@ def start_worker_actor(
 ) -> Any:
     """Start ``worker`` as an actor of ``cls`` on ``node`` holding ``devices``; returns its handle
     at once (the actor may still be starting)."""
-    return ray.remote(cls).options(**actor_options(node, worker, devices)).remote(*args)
+    options = actor_options(node, worker, devices)
+    if cls is ToolWorker:
+        options["max_concurrency"] = TOOL_CONCURRENCY
+    return ray.remote(cls).options(**options).remote(*args)
 
 
 def worker_handle(node: str, worker: str) -> Any | None:

@@ -11,7 +11,7 @@ report what it and their own workers did (``telemetry``): measured utilisation, 
 the job's progress, each iteration's results, and a failure when a worker or the driver died.
 
 Migration steps (``execute_step``) move the trainer's ranks (``p2p``), the rollout's and the
-reference's engines (``workload``) and the reward workers (``restart``): this node's workers start
+reference's engines (``workload``) and the reward and tool workers (``restart``): this node's workers start
 and stop here, and the job driver carries out the job-wide part once for all the step's nodes. A
 step it cannot carry out fails with a clear error, and the control plane rolls the migration back.
 
@@ -44,6 +44,7 @@ from agents.backends.ray.actors import (
     ENGINE_KINDS,
     EngineWorker,
     RewardWorker,
+    ToolWorker,
     WorkerUsage,
     actor_name,
     job_of,
@@ -72,7 +73,7 @@ DRIVER_KINDS: Final = {
     "restart": frozenset({"drain", "undrain", "switch"}),
     "workload": job_driver.WorkloadMigration.kinds,
 }
-SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward")
+SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward", "tool")
 
 
 @dataclass
@@ -203,6 +204,8 @@ class RayBackend:
             )
         if kind == "actor":
             return start_worker_actor(self.node, name, devices, TrainerRankWorker, config.trainer_config())
+        if kind == "tool":
+            return start_worker_actor(self.node, name, devices, ToolWorker, config.tool_latency_s)
         return start_worker_actor(self.node, name, devices, RewardWorker)
 
     def stop_workers(
@@ -231,15 +234,15 @@ class RayBackend:
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """This node's part of a migration step (docs/ray-backend.md, "Migrations"): the trainer's
-        ``p2p`` moves, the rollout and inference engines' ``workload`` moves and the reward
-        workers' ``restart`` moves. Starting and stopping this node's workers happens here; the job-wide part (a state
+        ``p2p`` moves, the rollout and inference engines' ``workload`` moves and the reward and
+        tool workers' ``restart`` moves. Starting and stopping this node's workers happens here; the job-wide part (a state
         transfer, groups, the rollout's routing, the weight push, membership) is the job driver's,
         once for all the step's nodes. A step that cannot be carried out raises StepFailed with
         the reason, and the control plane rolls the migration back."""
         ctx = parse_step(payload)
         if ctx.strategy not in DRIVER_KINDS:
             raise StepFailed(
-                f"{self.host}: the ray backend moves the trainer (p2p), reward workers (restart) and "
+                f"{self.host}: the ray backend moves the trainer (p2p), reward and tool workers (restart) and "
                 f"rollout and inference engines (workload); "
                 f"{ctx.strategy or 'unnamed'} steps ({ctx.kind}) are not among them"
             )
@@ -332,9 +335,8 @@ class RayBackend:
             config = ray.get(driver.trainer_config.remote(), timeout=CALL_TIMEOUT_S * 5)
             handles = [self._start_actor(p, TrainerRankWorker, config) for p in payloads.values()]
             ray.get([h.standby.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
-        elif kind == "reward":
-            handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
-            ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        elif kind in job_driver.RESTARTED_KINDS:
+            handles = self._start_call_workers(driver, kind, payloads)
         elif kind in ENGINE_KINDS:
             model, settings, requested = ray.get(driver.engine_launch.remote(), timeout=CALL_TIMEOUT_S * 5)
             handles = [
@@ -405,15 +407,30 @@ class RayBackend:
         return {"stopped": self._stop_listed(ctx)}
 
     def _step_restart_workers(self, ctx: StepContext) -> dict[str, Any]:
-        """A rollback's restart of the reward workers the step stopped here, on the same devices;
-        built from the step alone, so an agent restarted in between restarts them as well."""
+        """A rollback's restart of the reward or tool workers the step stopped here, on the same
+        devices; built from the step and the job's driver, so an agent restarted in between
+        restarts them as well."""
         placed = self._local_devices(ctx)
-        payloads = self._launch_payloads(ctx, "reward", placed)
-        handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
-        ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        driver, kind = self._driver_and_kind(ctx)
+        payloads = self._launch_payloads(ctx, kind, placed)
+        self._start_call_workers(driver, kind, payloads)
         with self._lock:
             self._payloads.update(payloads)
         return {"restarted": sorted(payloads)}
+
+    def _start_call_workers(
+        self, driver: Any, kind: str, payloads: Mapping[str, Mapping[str, Any]]
+    ) -> list[Any]:
+        """Reward or tool workers (a restart's), ready to take calls."""
+        if kind == "tool":
+            latency = ray.get(driver.tool_latency.remote(), timeout=CALL_TIMEOUT_S * 5)
+            handles = [self._start_actor(p, ToolWorker, latency) for p in payloads.values()]
+        elif kind == "reward":
+            handles = [self._start_actor(p, RewardWorker) for p in payloads.values()]
+        else:
+            raise StepFailed(f"{self.host}: the ray runtime does not restart {kind or 'unknown'} workers")
+        ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
+        return handles
 
     def _forget(self, worker: str) -> None:
         """Drop a worker from this node's books before its actor is killed: a telemetry pass

@@ -14,7 +14,8 @@ live members. The driver then:
    store, and rank 0 opens the weight-update group of the rollout engines;
 3. runs iteration ``k`` once the control plane has opened it, so that the scheduler's decisions
    at an iteration boundary come before the next iteration's work (``runtime.rl.loop``): generate
-   on the rollout engines, score on the reward workers, reference log-probs on the inference
+   on the rollout engines (an agentic job's multi-turn episodes through its DataRouter, calling
+   the tool workers' calculator: ``runtime.rl.agentic``), score on the reward workers, reference log-probs on the inference
    engines when the KL term is on, one GRPO step on every trainer rank, then the new weights go to
    every rollout engine, which must report the trainer's weight version before the iteration ends.
 
@@ -46,12 +47,14 @@ from agents.backends.ray.actors import ENGINE_KINDS, job_of, kill_actor
 from agents.backends.ray.connection import RayNode
 from runtime.engine.client import EngineClient, EngineError
 from runtime.model.config import GPTConfig
+from runtime.rl.agentic import AgenticSettings, AgentLoop
 from runtime.rl.grpo import GRPOConfig, Trajectory
 from runtime.rl.job import INITIAL_WEIGHT_VERSION, RLJobConfig, warm_start_checkpoint, warm_start_weights
 from runtime.rl.loop import EngineReference, IterationReport, run_iteration
 from runtime.rl.rollout import EnginePool
 from runtime.rl.trainer import TrainerConfig, TrainStepMetrics
 from runtime.task.arithmetic import Problem, TaskConfig
+from runtime.task.calculator import ToolCallError
 from runtime.task.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ ENGINE_MAX_RUNNING: Final = 64
 CLIP_LOW: Final = 0.2
 CLIP_HIGH: Final = 0.28
 WARM_START_WARMUP_STEPS: Final = 10
+# The kinds whose workers a restart migration moves (they hold no state).
+RESTARTED_KINDS: Final = ("reward", "tool")
 
 
 def driver_name(job_id: int) -> str:
@@ -84,15 +89,21 @@ def rl_config(spec: Mapping[str, Any]) -> RLJobConfig:
     workload = spec.get("workload")
     if not isinstance(runtime, Mapping) or not isinstance(workload, Mapping):
         raise ValueError("the spec has no runtime section (the model, task and training a real job runs)")
-    if workload.get("kind") != "math":
-        raise ValueError(f"the ray runtime runs math workloads, not {workload.get('kind')!r}")
+    if workload.get("kind") not in ("math", "agentic"):
+        raise ValueError(f"the ray runtime runs math and agentic workloads, not {workload.get('kind')!r}")
+    agentic = workload.get("kind") == "agentic"
     try:
         return RLJobConfig(
             model=GPTConfig(vocab_size=CharTokenizer().vocab_size, **runtime["model"]),
             task=TaskConfig(
                 max_digits=int(runtime["task"]["max_digits"]),
                 zipf_exponent=float(runtime["task"]["zipf_exponent"]),
+                # An agentic episode sums max_turns numbers: a calculator call per turn but the last.
+                calculator=agentic,
+                max_terms=int(workload["max_turns"]) if agentic else 2,
             ),
+            tool_latency_s=float(workload["tool_latency_s"]) if agentic else 0.0,
+            routing=str(runtime.get("routing", "priority")),
             seed=int(runtime["seed"]),
             iterations=int(workload["iterations"]),
             prompts_per_iteration=int(workload["prompts_per_iteration"]),
@@ -299,11 +310,13 @@ class RayTrainerGroup:
             return str(ray.get(self.ranks[0].push_weights.remote(), timeout=STEP_TIMEOUT_S))
 
 
-class RayReward:
-    """The reward workers: the samples split evenly over the active ones, scored in parallel.
+class RayWorkerGroup:
+    """Workers that work in calls (the reward's, the tools'), and which of them are in service.
 
-    A ``restart`` migration changes the membership: a worker being drained gets no new work
-    (``drain`` returns once its call in flight ended), and a switch sets the members."""
+    A ``restart`` migration changes the membership: a worker being drained gets no new call
+    (``drain`` returns once its calls in flight ended), and a switch sets the members."""
+
+    role = "worker"
 
     def __init__(self, workers: Mapping[str, Any]) -> None:
         self._changed = threading.Condition()
@@ -316,28 +329,26 @@ class RayReward:
         with self._changed:
             return sorted(self._members)
 
-    def score(self, problems_and_texts: Sequence[tuple[Problem, str]]) -> list[float]:
+    @contextmanager
+    def _calling(self, pick: Callable[[list[tuple[str, Any]]], list[tuple[str, Any]]]) -> Iterator[list[Any]]:
+        """The handles ``pick`` chooses among the workers in service, counted busy meanwhile."""
         with self._changed:
             active = [(n, h) for n, h in sorted(self._members.items()) if n not in self._draining]
             if not active:
-                raise JobFailed("the job has no reward worker to score with")
-            for name, _ in active:
+                raise JobFailed(f"the job has no {self.role} worker in service")
+            chosen = pick(active)
+            for name, _ in chosen:
                 self._busy[name] = self._busy.get(name, 0) + 1
         try:
-            share = -(-len(problems_and_texts) // len(active))
-            chunks = [problems_and_texts[i * share : (i + 1) * share] for i in range(len(active))]
-            futures = [
-                handle.score.remote([p for p, _ in chunk], [t for _, t in chunk])
-                for (_, handle), chunk in zip(active, chunks, strict=True)
-                if chunk
-            ]
-            scored: list[list[float]] = ray.get(futures, timeout=STEP_TIMEOUT_S)
+            yield [handle for _, handle in chosen]
         finally:
             with self._changed:
-                for name, _ in active:
+                for name, _ in chosen:
                     self._busy[name] -= 1
                 self._changed.notify_all()
-        return [value for chunk in scored for value in chunk]
+
+    def _least_busy(self, active: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        return [min(active, key=lambda item: self._busy.get(item[0], 0))]
 
     def drain(self, workers: Sequence[str], timeout_s: float) -> None:
         with self._changed:
@@ -345,7 +356,7 @@ class RayReward:
             if not self._changed.wait_for(
                 lambda: not any(self._busy.get(w) for w in workers), timeout=timeout_s
             ):
-                raise TimeoutError(f"{', '.join(workers)} still scoring after {timeout_s:g} s")
+                raise TimeoutError(f"{', '.join(workers)} still working after {timeout_s:g} s")
 
     def undrain(self, handles: Mapping[str, Any]) -> None:
         """Back in service, with their handles (an actor restarted by its agent is a new one)."""
@@ -359,6 +370,38 @@ class RayReward:
             self._members = dict(handles)
             self._draining &= set(handles)
             self._changed.notify_all()
+
+
+class RayReward(RayWorkerGroup):
+    """The reward workers: the samples split evenly over those in service, scored in parallel."""
+
+    role = "reward"
+
+    def score(self, problems_and_texts: Sequence[tuple[Problem, str]]) -> list[float]:
+        with self._calling(lambda active: active) as handles:
+            share = -(-len(problems_and_texts) // len(handles))
+            chunks = [problems_and_texts[i * share : (i + 1) * share] for i in range(len(handles))]
+            futures = [
+                handle.score.remote([p for p, _ in chunk], [t for _, t in chunk])
+                for handle, chunk in zip(handles, chunks, strict=True)
+                if chunk
+            ]
+            scored: list[list[float]] = ray.get(futures, timeout=STEP_TIMEOUT_S)
+        return [value for chunk in scored for value in chunk]
+
+
+class RayTools(RayWorkerGroup):
+    """The tool workers as the agentic rollout calls them (`runtime.rl.agentic.ToolCaller`):
+    each call goes to the one in service with the fewest calls in flight."""
+
+    role = "tool"
+
+    def call(self, expression: str) -> str:
+        with self._calling(self._least_busy) as (handle,):
+            answer: str | None = ray.get(handle.call.remote(expression), timeout=STEP_TIMEOUT_S)
+        if answer is None:
+            raise ToolCallError(f"the calculator refuses {expression!r}")
+        return answer
 
 
 class JobDriver:
@@ -391,6 +434,13 @@ class JobDriver:
         self._ranks: list[str] = []
         self._rollout_urls: list[str] = []
         self._reward = RayReward({})
+        self._tools = RayTools({})
+        # An agentic job's episodes, dispatched through its DataRouter, call the tool workers.
+        self._agent = (
+            AgentLoop(self._tools, AgenticSettings.for_job(self.config, ENGINE_MAX_RUNNING))
+            if self.config.task.calculator
+            else None
+        )
         self._pool: EnginePool | None = None  # the rollout engines, once set up
         self._reference_pool: EnginePool | None = None  # the inference engines, if the job has any
         self._ready = threading.Event()
@@ -431,6 +481,10 @@ class JobDriver:
     def trainer_config(self) -> TrainerConfig:
         """What a new trainer rank of this job is built with (a p2p migration's start_workers)."""
         return self.config.trainer_config()
+
+    def tool_latency(self) -> float:
+        """What a new tool worker of this job is started with (a restart's start_workers)."""
+        return self.config.tool_latency_s
 
     def group_kind(self, group: str) -> str:
         """The component kind of one of the job's groups (what a migration's new workers are)."""
@@ -543,6 +597,7 @@ class JobDriver:
                 reference,
                 trainer,
                 progress=self._rollout_progress,
+                agent=self._agent,
             )
             self._record(report, view)
 
@@ -564,7 +619,7 @@ class JobDriver:
             return sorted(w for k, members in view.members.values() if k == kind for w in members)
 
         rollout_names, inference_names = of_kind("rollout"), of_kind("inference")
-        actor_names, reward_names = of_kind("actor"), of_kind("reward")
+        actor_names, reward_names, tool_names = of_kind("actor"), of_kind("reward"), of_kind("tool")
         urls = dict(
             zip(
                 rollout_names + inference_names,
@@ -591,6 +646,7 @@ class JobDriver:
             self._reference_pool = EnginePool({n: clients[n] for n in inference_names}, role="reference")
             reference = EngineReference(self._reference_pool)
         reward = self._reward = RayReward({n: workers[n] for n in reward_names})
+        self._tools.set_members({n: workers[n] for n in tool_names})
         self._trainer.ranks = ranks
         self._ranks = list(actor_names)
         self._rollout_urls = [urls[n] for n in rollout_names]
@@ -613,6 +669,14 @@ class JobDriver:
             result = client.update_weights_from_disk(str(checkpoint), weight_version=INITIAL_WEIGHT_VERSION)
             if not result.success:
                 raise JobFailed(f"engine {name} could not load the warm-start weights: {result.message}")
+
+    def call_group(self, kind: str) -> RayWorkerGroup:
+        """The job's ``reward`` or ``tool`` workers as the loop calls them."""
+        if kind == "reward":
+            return self._reward
+        if kind == "tool":
+            return self._tools
+        raise JobFailed(f"the job has no {kind or 'such'} workers that work in calls")
 
     def engines_of(self, kind: str) -> EnginePool:
         """The pool of the job's ``rollout`` or ``inference`` engines."""
@@ -861,39 +925,51 @@ class P2pMigration(_OncePerStep):
 
 
 class RestartMigration(_OncePerStep):
-    """The driver's side of a ``restart`` migration of the reward group (its workers hold no
-    state: they are stopped on the devices that leave and started on the ones that arrive):
+    """The driver's side of a ``restart`` migration of the reward or the tool group (their
+    workers hold no state: they are stopped on the devices that leave and started on the ones
+    that arrive):
 
-    - ``drain``: the leaving workers get no new samples to score; returns once their call in
-      flight ended (the agents then stop them); ``undrain`` puts them back, found again by name
-      (an agent's ``restart_workers`` started them anew);
+    - ``drain``: the leaving workers get no new call (samples to score, tool calls); returns
+      once their calls in flight ended (the agents then stop them); ``undrain`` puts them back,
+      found again by name (an agent's ``restart_workers`` started them anew);
     - ``switch`` (the growing side): the group's members are exactly the step's workers.
     """
 
     kinds = frozenset({"drain", "undrain", "switch"})
 
-    def _reward_group(self, workers: list[str]) -> RayReward:
-        if any(self.driver.kinds.get(group) != "reward" for group in self._groups_of(workers)):
-            raise JobFailed("only the reward group is restarted by the ray runtime")
-        return self.driver._reward
+    def __init__(self, driver: JobDriver) -> None:
+        super().__init__(driver)
+        self._kind_of: dict[str, str] = {}  # migration -> the kind of workers it restarts
 
-    def _groups_of(self, workers: list[str]) -> set[str]:
-        members = self.driver._view.members if self.driver._view is not None else {}
-        groups = {group for group, (_, names) in members.items() if set(names) & set(workers)}
-        return groups or {group for group, kind in self.driver.kinds.items() if kind == "reward"}
+    def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        group = str(step.get("group", ""))
+        kind = self.driver.kinds.get(group, "")
+        if kind not in RESTARTED_KINDS:
+            raise JobFailed(
+                f"the ray runtime restarts {' and '.join(RESTARTED_KINDS)} workers; "
+                f"{group or 'this group'} ({kind or 'unknown kind'}) is not one"
+            )
+        with self._lock:
+            self._kind_of[str(step["step_id"]).split(":", 1)[0]] = kind
+        return super()._run(step)
+
+    def _group(self, migration: str) -> RayWorkerGroup:
+        with self._lock:
+            kind = self._kind_of[migration]
+        return self.driver.call_group(kind)
 
     def _drain(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        self._reward_group(workers).drain(workers, MIGRATION_TIMEOUT_S)
+        self._group(migration).drain(workers, MIGRATION_TIMEOUT_S)
         return {"drained": sorted(workers)}
 
     def _undrain(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
-        self._reward_group(workers).undrain({w: worker_actor(w) for w in workers})
+        self._group(migration).undrain({w: worker_actor(w) for w in workers})
         return {"undrained": sorted(workers)}
 
     def _switch(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         handles = {w: worker_actor(w) for w in workers}
         ray.get([h.__ray_ready__.remote() for h in handles.values()], timeout=MIGRATION_TIMEOUT_S)
-        self._reward_group(workers).set_members(handles)
+        self._group(migration).set_members(handles)
         with self.driver._lock:
             self.driver._workers.update(handles)
         return {"members": sorted(workers)}
