@@ -147,7 +147,10 @@ def test_an_agentic_ray_job_needs_tool_workers_and_a_sane_number_of_turns() -> N
     assert errors["workload.max_turns"].startswith("an agentic ray job's episode sums max_turns numbers")
     # The prompt holds max_turns numbers: 4 terms of 2 digits, the +s, BOS and the newline.
     long = _errors(_ray_job(workload={**AGENTIC_WORKLOAD, "max_new_tokens": 60}))
-    assert "the longest prompt (13 tokens at runtime.task.max_digits=2 and 4 terms)" in long["workload.max_new_tokens"]
+    assert (
+        "the longest prompt (13 tokens at runtime.task.max_digits=2 and 4 terms)"
+        in long["workload.max_new_tokens"]
+    )
 
 
 def test_an_agentic_ray_job_with_tool_workers_is_accepted_with_its_routing() -> None:
