@@ -87,6 +87,43 @@ def test_a_real_job_learns_and_succeeds(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_agentic_job_calls_its_tool_workers_turn_by_turn_and_succeeds(
+    live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
+) -> None:
+    """The agentic variant under dynarl: episodes of up to three turns, each calculator call
+    answered by the job's tool worker, turns dispatched by the DataRouter to the engine holding
+    the episode's KV prefix; what each iteration did is in its result."""
+    start_ray_agents(live_stack, ray_cluster, warm_start_cache)
+    spec = real_job(
+        "real-agentic", kind="agentic", iterations=4, max_turns=3, tool_latency_s=0.01, max_new_tokens=44
+    )
+    spec["components"].insert(2, {"name": "tools", "kind": "tool", "workers": 1})
+    spec["policy"] = {"name": "dynarl"}
+    job = submit(live_stack, spec)
+    wait_running(live_stack, job, timeout_s=180)
+    wait_state(live_stack, job, JobState.SUCCEEDED, timeout_s=600)
+
+    status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
+    assert status == 200, results
+    assert [r["iteration"] for r in results] == list(range(4))
+    for result in results:
+        metrics = result["metrics"]
+        agentic = metrics["agentic"]
+        assert agentic["tool_calls"] > 0, metrics
+        follow_ups = agentic["tool_calls"] - agentic["tool_errors"]
+        assert agentic["turns"] == metrics["samples"] + follow_ups
+        # Priority routing: a follow-up turn goes to the engine that served the episode's last
+        # one (or, kept waiting, another); that engine's cache gave most of its context back.
+        assert agentic["affinity_hits"] + agentic["affinity_steals"] == follow_ups
+        assert agentic["cached_tokens"] > agentic["reprefilled_tokens"]
+        assert metrics["tokens_trained"] < metrics["tokens_generated"]  # tool answers are not trained
+    tools = Worker.objects.get(group__job=job, group__name="tools")
+    assert tools.devices.exists()
+    wait_released(live_stack, job)
+    assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_job_whose_engine_dies_fails_with_a_readable_reason(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
