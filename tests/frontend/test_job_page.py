@@ -283,11 +283,13 @@ def test_a_viewer_sees_no_controls_and_the_api_refuses_the_viewers_migrate(
 def test_a_real_jobs_page_draws_its_reward_curve_as_it_trains(
     live_stack: LiveStack, login: Any, ray_cluster: LocalRayCluster, warm_start_cache: Path
 ) -> None:
-    """A job on the ray backend: its page gains a point of the reward curve and of the rollout's
-    throughput and lengths for every iteration trained, live, and says which weights the engines
-    hold."""
+    """A job on the ray backend (its agentic variant): its page gains a point of the reward curve
+    and of the rollout's throughput and lengths for every iteration trained, live, says which
+    weights the engines hold, and what the episodes' tool calls and KV reuse were."""
     start_ray_agents(live_stack, ray_cluster, warm_start_cache)
-    status, job = live_stack.api("POST", "/api/v1/jobs/", real_job("real-page", iterations=3))
+    spec = real_job("real-page", kind="agentic", iterations=3, max_turns=3, tool_latency_s=0.01)
+    spec["components"].insert(2, {"name": "tools", "kind": "tool", "workers": 1})
+    status, job = live_stack.api("POST", "/api/v1/jobs/", spec)
     assert status == 201, job
     page: Page = login("viewer")
     open_job_page(page, int(job["id"]))
@@ -299,6 +301,8 @@ def test_a_real_jobs_page_draws_its_reward_curve_as_it_trains(
     expect(page.locator("#rollout-chart .barlayer .point")).to_have_count(3)
     expect(page.locator("#training-meta")).to_contain_text("iteration 2: reward")
     expect(page.locator("#training-meta")).to_contain_text("weights v3 on every engine")
+    expect(page.locator("#training-meta")).to_contain_text("tool calls in")
+    expect(page.locator("#training-meta")).to_contain_text("of the context from the prefix caches")
     screenshot(page, "job-page-real-training")
 
 

@@ -620,6 +620,12 @@
     const m = results.map((r) => r.metrics);
     const last = m[m.length - 1];
     meta.textContent = `iteration ${last.iteration}: reward ${last.mean_reward.toFixed(3)}, accuracy ${fmtPct(last.accuracy)}, weights v${last.weight_version} on every engine`;
+    // An agentic job's turns: tool calls, and how much of each turn's context the engines'
+    // prefix caches gave back (the DataRouter's affinity at work) against what was prefilled again.
+    const agentic = last.agentic;
+    if (agentic) {
+      meta.textContent += `; ${agentic.tool_calls} tool calls in ${agentic.turns} turns, ${fmtPct(agentic.cached_tokens / Math.max(agentic.prompt_tokens, 1))} of the context from the prefix caches, ${agentic.reprefilled_tokens} tokens prefilled again (${agentic.router_mode} order)`;
+    }
     Plotly.react(rewardBox, [
       { type: "scatter", mode: "lines+markers", name: "mean reward", x, y: results.map((r) => r.mean_reward), line: { color: "#d62728" } },
       { type: "scatter", mode: "lines", name: "accuracy", x, y: m.map((r) => r.accuracy), line: { color: "#1f77b4", dash: "dot" } },
