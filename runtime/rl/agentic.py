@@ -354,7 +354,7 @@ def agentic_rollout(
     members: frozenset[str] = frozenset()
     idle_since: float | None = None
     # Threads only wait on HTTP and tools; the slots bound how many run at once.
-    executor = ThreadPoolExecutor(max_workers=256, thread_name_prefix="agentic")
+    executor = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="agentic")
     try:
         with changed:
             while done < len(episodes) and not failures:

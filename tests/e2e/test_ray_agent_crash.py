@@ -90,6 +90,8 @@ def verbs(migration: Migration) -> set[str]:
     )
 
 
+# Five drills, each restarting every agent (a new Ray driver each): about three minutes here.
+@pytest.mark.timeout(480)
 @pytest.mark.django_db(transaction=True)
 def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
@@ -98,12 +100,16 @@ def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
     # The trainer grows by a reward GPU (its new rank's agent killed in transfer_state) and by
     # two rollout GPUs (their agents killed while taking back what the engines had in flight),
     # then shrinks back by two onto the rollout (the agents killed in the trainer's switch, the
-    # point of no return, after it took effect). Every move takes effect whole: no rollback runs
-    # over a step that happened.
+    # point of no return, after it took effect); it grows by two rollout GPUs again (the agents
+    # killed as the engines' devices are released, the workload donor's point of no return) and
+    # shrinks back (the agents killed in the trainer's barrier, before its switch). Every move
+    # takes effect whole: no rollback runs over a step that happened.
     for donor, recipient, workers, killed in (
         ("reward", "actor", 1, "transfer_state"),
         ("rollout", "actor", 2, "take_back_requests"),
         ("actor", "rollout", 2, "switch"),
+        ("rollout", "actor", 2, "release_devices"),
+        ("actor", "rollout", 2, "barrier"),
     ):
         before = allocation(job)
         moved = drill(live_stack, job, donor, recipient, workers, killed)
