@@ -8,13 +8,14 @@ rolls out the same iterations' problems: ``--prompts`` x ``--group`` episodes of
 calls each (`runtime.rl.agentic`). Every turn's seed is fixed, so both routings generate the
 same transcripts; what differs is where each turn runs and so what the engines' prefix caches
 give back. The table is what the engines reported (``cached_tokens`` per request) and the wall
-time of the rollouts.
+time of the rollouts: medians over ``--repeats`` runs per routing, the routings alternated.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -120,23 +121,30 @@ def run_routing(
     return RoutingResult(routing, seconds, stats, samples, rewards)
 
 
-def table(results: Sequence[RoutingResult]) -> str:
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def table(runs: dict[Routing, list[RoutingResult]]) -> str:
+    """Per routing, the median over its repeats (wall time with its range)."""
     rows = [
-        "| routing | wall s | episodes/s | policy tokens/s | turns | tool calls | context tokens sent "
+        "| routing | wall s (range) | episodes/s | policy tokens/s | turns | tool calls | context tokens sent "
         "| from prefix cache | re-prefilled | affinity hits | order at end | mean reward |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for result in results:
-        episodes = result.total("episodes")
-        sent = result.total("prompt_tokens")
-        cached = result.total("cached_tokens")
+    for routing, results in runs.items():
+        first = results[0]
+        seconds = [r.seconds for r in results]
+        sent = first.total("prompt_tokens")
+        cached = median([r.total("cached_tokens") for r in results])
         rows.append(
-            f"| {result.routing} | {result.seconds:.1f} | {episodes / result.seconds:.1f} "
-            f"| {result.policy_tokens / result.seconds:.0f} | {result.total('turns')} "
-            f"| {result.total('tool_calls')} | {sent} | {cached} ({cached / max(sent, 1):.0%}) "
-            f"| {result.total('reprefilled_tokens')} "
-            f"| {sum(s.router.affinity_hits for s in result.stats)} "
-            f"| {result.stats[-1].router.mode_now} | {sum(result.rewards) / len(result.rewards):.3f} |"
+            f"| {routing} | {median(seconds):.2f} ({min(seconds):.2f}-{max(seconds):.2f}) "
+            f"| {median([r.total('episodes') / r.seconds for r in results]):.1f} "
+            f"| {median([r.policy_tokens / r.seconds for r in results]):.0f} | {first.total('turns')} "
+            f"| {first.total('tool_calls')} | {sent} | {cached:.0f} ({cached / max(sent, 1):.0%}) "
+            f"| {median([r.total('reprefilled_tokens') for r in results]):.0f} "
+            f"| {median([sum(s.router.affinity_hits for s in r.stats) for r in results]):.0f} "
+            f"| {first.stats[-1].router.mode_now} | {sum(first.rewards) / len(first.rewards):.3f} |"
         )
     return "\n".join(rows)
 
@@ -150,8 +158,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cache-tokens", type=int, default=512, help="each engine's prefix-cache budget")
     parser.add_argument("--tool-latency", type=float, default=0.02, help="seconds per calculator call")
     parser.add_argument(
-        "--affinity-wait", type=float, default=2.0, help="priority: seconds a turn waits for its engine"
+        "--affinity-wait",
+        type=float,
+        default=AgenticSettings().affinity_wait_s,
+        help="priority: seconds a follow-up turn waits for the engine holding its prefix",
     )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per routing, alternated; medians shown")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
@@ -171,14 +183,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     weights = warm_start_weights(config, args.warm_start_cache)
     print(f"warm start: {time.perf_counter() - started:.1f} s (cached under {args.warm_start_cache})")
-    results = [run_routing(routing, config, weights, args) for routing in (Routing.PRIORITY, Routing.FIFO)]
-    same = [s.response_ids for s in results[0].samples] == [s.response_ids for s in results[1].samples]
+    runs: dict[Routing, list[RoutingResult]] = {Routing.PRIORITY: [], Routing.FIFO: []}
+    for _ in range(args.repeats):
+        for routing in runs:
+            runs[routing].append(run_routing(routing, config, weights, args))
+    transcripts = {tuple(s.response_ids for s in r.samples) for results in runs.values() for r in results}
+    same = len(transcripts) == 1
     print(
         f"{args.engines} engines x {args.slots} slots, prefix cache {args.cache_tokens} tokens each, "
         f"tool latency {args.tool_latency:g} s, {args.iterations} x {args.prompts} x {args.group} episodes "
-        f"of 2..{args.max_terms} terms; same transcripts under both routings: {same}"
+        f"of 2..{args.max_terms} terms, {args.repeats} runs per routing; same transcripts in every run: {same}"
     )
-    print(table(results))
+    print(table(runs))
 
 
 if __name__ == "__main__":
