@@ -11,7 +11,8 @@ import ray
 from agents.backends.ray import driver as job_driver
 from agents.backends.ray.backend import RayBackend
 from jobs.spec import parse_spec
-from tests.ray_backend.test_backend import entry_until, worker
+from tests.ray_backend.test_backend import entry_until, observe_layout, worker
+from tests.ray_backend.test_p2p import run_steps
 from tests.ray_backend.test_p2p import step as p2p_step
 
 JOB = 45
@@ -74,18 +75,7 @@ LAYOUT = {
 
 
 def observe(agents: dict[str, RayBackend], iteration: int, tools: list[str]) -> None:
-    groups: dict[str, dict[str, Any]] = {}
-    for workers in LAYOUT.values():
-        for w in workers:
-            if w["group"] != "tools":
-                groups.setdefault(w["group"], {"kind": w["kind"], "workers": []})["workers"].append(
-                    w["worker"]
-                )
-    groups["tools"] = {"kind": "tool", "workers": tools}
-    for backend in agents.values():
-        backend.observe_control(
-            {"jobs": {str(JOB): {"iteration": iteration, "state": "running", "groups": groups}}}
-        )
+    observe_layout(agents, JOB, LAYOUT, iteration, {"tools": ("tool", tools)})
 
 
 def trained(agents: dict[str, RayBackend], iteration: int) -> dict[str, Any]:
@@ -114,12 +104,6 @@ def calls(tool: str) -> int:
 
 def step(migration: str, index: int, kind: str, workers: list[str], devices: list[str]) -> dict[str, Any]:
     return p2p_step(JOB, migration, index, kind, workers, devices, group="tools", strategy="restart")
-
-
-def run_steps(agents: dict[str, RayBackend], payloads: list[dict[str, Any]]) -> None:
-    for payload in payloads:
-        for node in sorted(agents):
-            agents[node].execute_step(payload)
 
 
 def test_an_agentic_job_calls_its_tool_workers_while_they_move_by_restart(

@@ -6,7 +6,7 @@ and a dead worker reported as the job's failure. The control plane's side is pla
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -91,6 +91,30 @@ def picture(job: int, iteration: int) -> dict[str, Any]:
         for w in workers:
             groups.setdefault(w["group"], {"kind": w["kind"], "workers": []})["workers"].append(w["worker"])
     return {"jobs": {str(job): {"iteration": iteration, "state": "running", "groups": groups}}}
+
+
+def observe_layout(
+    agents: dict[str, RayBackend],
+    job: int,
+    placed: Mapping[str, list[dict[str, Any]]],
+    iteration: int,
+    groups: Mapping[str, tuple[str, list[str]]] = {},
+) -> None:
+    """Every agent hands the job's driver the control plane's picture: iteration ``iteration``
+    opened, the groups as ``placed`` lays them out, except ``groups`` (name -> kind, members)."""
+    picture: dict[str, dict[str, Any]] = {}
+    for workers in placed.values():
+        for w in workers:
+            if w["group"] not in groups:
+                picture.setdefault(w["group"], {"kind": w["kind"], "workers": []})["workers"].append(
+                    w["worker"]
+                )
+    for group, (kind, members) in groups.items():
+        picture[group] = {"kind": kind, "workers": members}
+    for backend in agents.values():
+        backend.observe_control(
+            {"jobs": {str(job): {"iteration": iteration, "state": "running", "groups": picture}}}
+        )
 
 
 def launch(agents: dict[str, RayBackend], job: int) -> None:

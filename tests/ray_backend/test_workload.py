@@ -16,7 +16,8 @@ from agents.backends.ray import driver as job_driver
 from agents.backends.ray.backend import RayBackend
 from runtime.engine.client import EngineClient
 from runtime.rl.job import INITIAL_WEIGHT_VERSION
-from tests.ray_backend.test_backend import entry_until, tiny_spec, worker
+from tests.ray_backend.test_backend import entry_until, observe_layout, tiny_spec, worker
+from tests.ray_backend.test_p2p import run_steps
 from tests.ray_backend.test_p2p import step as p2p_step
 
 JOB = 43
@@ -43,18 +44,7 @@ LAYOUT = {
 
 def observe(agents: dict[str, RayBackend], iteration: int, reference: list[str]) -> None:
     """The control plane's picture of the job, with ``reference`` as its inference engines."""
-    groups: dict[str, dict[str, Any]] = {}
-    for workers in LAYOUT.values():
-        for w in workers:
-            if w["group"] != "reference":
-                groups.setdefault(w["group"], {"kind": w["kind"], "workers": []})["workers"].append(
-                    w["worker"]
-                )
-    groups["reference"] = {"kind": "inference", "workers": reference}
-    for backend in agents.values():
-        backend.observe_control(
-            {"jobs": {str(JOB): {"iteration": iteration, "state": "running", "groups": groups}}}
-        )
+    observe_layout(agents, JOB, LAYOUT, iteration, {"reference": ("inference", reference)})
 
 
 def trained(agents: dict[str, RayBackend], iteration: int) -> dict[str, Any]:
@@ -71,12 +61,6 @@ def trained(agents: dict[str, RayBackend], iteration: int) -> dict[str, Any]:
 
 def step(migration: str, index: int, kind: str, workers: list[str], devices: list[str]) -> dict[str, Any]:
     return p2p_step(JOB, migration, index, kind, workers, devices, group="reference", strategy="workload")
-
-
-def run_steps(agents: dict[str, RayBackend], payloads: list[dict[str, Any]]) -> None:
-    for payload in payloads:
-        for node in sorted(agents):
-            agents[node].execute_step(payload)
 
 
 def served(engine: str) -> int:
@@ -163,15 +147,7 @@ def rollout_step(
 
 
 def observe_growing(agents: dict[str, RayBackend], iteration: int, rollout: list[str]) -> None:
-    groups = {
-        "rollout": {"kind": "rollout", "workers": rollout},
-        "actor": {"kind": "actor", "workers": [f"j{GROWING}-actor-w0"]},
-        "reward": {"kind": "reward", "workers": [f"j{GROWING}-reward-w0"]},
-    }
-    for backend in agents.values():
-        backend.observe_control(
-            {"jobs": {str(GROWING): {"iteration": iteration, "state": "running", "groups": groups}}}
-        )
+    observe_layout(agents, GROWING, GROWING_LAYOUT, iteration, {"rollout": ("rollout", rollout)})
 
 
 def test_a_rollout_growing_mid_generation_hands_its_new_engine_a_share_of_the_batch(
