@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import ray
 
+from agents.backends.base import StepFailed
 from agents.backends.ray import driver as job_driver
 from agents.backends.ray.backend import RayBackend
 from jobs.spec import parse_spec
@@ -148,3 +150,17 @@ def test_an_agentic_job_calls_its_tool_workers_while_they_move_by_restart(
     assert calls(new) > 0
     assert ray.get(job_driver.worker_actor(new).call.remote("12+30")) == "42\n"
     assert ray.get(job_driver.worker_actor(new).call.remote("12+")) is None  # refused, not raised
+
+    # Restarting is for stateless workers: engines are refused, naming the group.
+    engines = p2p_step(
+        JOB,
+        f"m{JOB}-3",
+        0,
+        "drain",
+        [name("rollout", 0)],
+        ["node-a/gpu0"],
+        group="rollout",
+        strategy="restart",
+    )
+    with pytest.raises(StepFailed, match=r"restarts reward and tool workers; rollout \(rollout\) is not one"):
+        agents["node-a"].execute_step(engines)

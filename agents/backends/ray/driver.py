@@ -924,7 +924,37 @@ class P2pMigration(_OncePerStep):
         return {"members": prepared.members, "generation": prepared.generation}
 
 
-class RestartMigration(_OncePerStep):
+class _GroupMigration(_OncePerStep):
+    """A migration of one group whose kind the strategy must move (``moved_kinds``); the kind is
+    kept per migration for its later steps."""
+
+    moved_kinds: tuple[str, ...] = ()
+    moves = ""  # what the strategy moves, for the refusal
+
+    def __init__(self, driver: JobDriver) -> None:
+        super().__init__(driver)
+        self._kind_of: dict[str, str] = {}  # migration -> the kind of its group
+
+    def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
+        group = str(step.get("group", ""))
+        kind = self.driver.kinds.get(group, "")
+        if kind not in self.moved_kinds:
+            raise JobFailed(f"{self.moves}; {group or 'this group'} ({kind or 'unknown kind'}) is not one")
+        migration = str(step["step_id"]).split(":", 1)[0]
+        with self._lock:
+            self._kind_of[migration] = kind
+            self._note(migration, step)
+        return super()._run(step)
+
+    def _note(self, migration: str, step: Mapping[str, Any]) -> None:
+        """What else a subclass keeps of the migration's steps (lock held)."""
+
+    def _kind(self, migration: str) -> str:
+        with self._lock:
+            return self._kind_of[migration]
+
+
+class RestartMigration(_GroupMigration):
     """The driver's side of a ``restart`` migration of the reward or the tool group (their
     workers hold no state: they are stopped on the devices that leave and started on the ones
     that arrive):
@@ -936,27 +966,11 @@ class RestartMigration(_OncePerStep):
     """
 
     kinds = frozenset({"drain", "undrain", "switch"})
-
-    def __init__(self, driver: JobDriver) -> None:
-        super().__init__(driver)
-        self._kind_of: dict[str, str] = {}  # migration -> the kind of workers it restarts
-
-    def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
-        group = str(step.get("group", ""))
-        kind = self.driver.kinds.get(group, "")
-        if kind not in RESTARTED_KINDS:
-            raise JobFailed(
-                f"the ray runtime restarts {' and '.join(RESTARTED_KINDS)} workers; "
-                f"{group or 'this group'} ({kind or 'unknown kind'}) is not one"
-            )
-        with self._lock:
-            self._kind_of[str(step["step_id"]).split(":", 1)[0]] = kind
-        return super()._run(step)
+    moved_kinds = RESTARTED_KINDS
+    moves = "the ray runtime restarts reward and tool workers"
 
     def _group(self, migration: str) -> RayWorkerGroup:
-        with self._lock:
-            kind = self._kind_of[migration]
-        return self.driver.call_group(kind)
+        return self.driver.call_group(self._kind(migration))
 
     def _drain(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         self._group(migration).drain(workers, MIGRATION_TIMEOUT_S)
@@ -975,7 +989,7 @@ class RestartMigration(_OncePerStep):
         return {"members": sorted(workers)}
 
 
-class WorkloadMigration(_OncePerStep):
+class WorkloadMigration(_GroupMigration):
     """The driver's side of a ``workload`` migration of the rollout or of the reference's
     ``inference`` engines (docs/ray-backend.md):
 
@@ -1011,28 +1025,18 @@ class WorkloadMigration(_OncePerStep):
         }
     )
 
+    moved_kinds = ENGINE_KINDS
+    moves = "the ray runtime moves rollout and inference engines by workload"
+
     def __init__(self, driver: JobDriver) -> None:
         super().__init__(driver)
-        self._kind_of: dict[str, str] = {}  # migration -> the kind of engines it moves
         self._share_of: dict[str, float] = {}  # migration -> what its old members shed
 
-    def _run(self, step: Mapping[str, Any]) -> dict[str, Any]:
-        group = str(step.get("group", ""))
-        kind = self.driver.kinds.get(group, "")
-        if kind not in ENGINE_KINDS:
-            raise JobFailed(
-                f"the ray runtime moves rollout and inference engines by workload; "
-                f"{group or 'this group'} ({kind or 'unknown kind'}) is not one"
-            )
-        migration = str(step["step_id"]).split(":", 1)[0]
-        with self._lock:
-            self._kind_of[migration] = kind
-            self._share_of[migration] = float(step.get("share", 0.0))
-        return super()._run(step)
+    def _note(self, migration: str, step: Mapping[str, Any]) -> None:
+        self._share_of[migration] = float(step.get("share", 0.0))
 
     def _engines(self, migration: str) -> tuple[str, EnginePool]:
-        with self._lock:
-            kind = self._kind_of[migration]
+        kind = self._kind(migration)
         return kind, self.driver.engines_of(kind)
 
     def _pooled(self, migration: str, workers: list[str]) -> tuple[str, EnginePool, list[str]]:
