@@ -3,9 +3,11 @@ sections the runtime relies on, each refused with the field at fault."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from jobs.spec import RuntimeModelSpec, RuntimeSpec, SpecError, parse_spec
 
@@ -151,6 +153,14 @@ def test_an_agentic_ray_job_needs_tool_workers_and_a_sane_number_of_turns() -> N
         "the longest prompt (13 tokens at runtime.task.max_digits=2 and 4 terms)"
         in long["workload.max_new_tokens"]
     )
+
+
+def test_the_agentic_ray_example_is_a_valid_spec() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "agentic-ray.yaml"
+    spec = parse_spec(yaml.safe_load(example.read_text()))
+    assert spec.backend == "ray" and spec.workload.kind == "agentic"
+    assert spec.runtime is not None and spec.runtime.routing == "priority"
+    assert {c.kind.value for c in spec.components} == {"rollout", "tool", "reward", "actor"}
 
 
 def test_an_agentic_ray_job_with_tool_workers_is_accepted_with_its_routing() -> None:
