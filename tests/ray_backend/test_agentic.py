@@ -18,7 +18,7 @@ from tests.ray_backend.test_p2p import run_steps
 from tests.ray_backend.test_p2p import step as p2p_step
 
 JOB = 45
-ITERATIONS = 3
+ITERATIONS = 4
 
 
 def spec() -> dict[str, Any]:
@@ -151,10 +151,34 @@ def test_an_agentic_job_calls_its_tool_workers_while_they_move_by_restart(
     assert ray.get(job_driver.worker_actor(new).call.remote("12+30")) == "42\n"
     assert ray.get(job_driver.worker_actor(new).call.remote("12+")) is None  # refused, not raised
 
+    # A rolled-back shrink: the new worker is drained and stopped, then the compensations run
+    # newest first: it is started again on its device (by name, from the step and the driver)
+    # and taken back into service; it answers calls again.
+    back = f"m{JOB}-3"
+    run_steps(
+        agents,
+        [
+            step(back, 0, "drain", [new], ["node-b/gpu1"]),
+            step(back, 1, "stop_workers", [new], ["node-b/gpu1"]),
+        ],
+    )
+    assert not [a for a in job_driver.job_actors(JOB) if a.endswith(new)]
+    rollback = [
+        step(back, 1, "restart_workers", [new], ["node-b/gpu1"]),
+        step(back, 0, "undrain", [new], ["node-b/gpu1"]),
+    ]
+    for payload in rollback:
+        payload["is_rollback"] = True
+    run_steps(agents, rollback)
+    assert calls(new) == 0  # a new actor: the one stopped took its count with it
+    observe(agents, 3, [staying, new])
+    trained(agents, 3)
+    assert calls(new) > 0
+
     # Restarting is for stateless workers: engines are refused, naming the group.
     engines = p2p_step(
         JOB,
-        f"m{JOB}-3",
+        f"m{JOB}-4",
         0,
         "drain",
         [name("rollout", 0)],
