@@ -371,6 +371,7 @@ def agentic_rollout(
                     idle_since = None
                 # One request at a time to the least busy engine, until none gets one.
                 dispatched = True
+                any_dispatched = False
                 while dispatched:
                     dispatched = False
                     for name in sorted(active, key=lambda n: outstanding.get(n, 0)):
@@ -381,8 +382,9 @@ def agentic_rollout(
                             continue
                         outstanding[name] = outstanding.get(name, 0) + 1
                         executor.submit(run_turn, request, name)
-                        dispatched = True
-                        report()
+                        dispatched = any_dispatched = True
+                if any_dispatched:
+                    report()  # once per pass, not per request
                 changed.wait(timeout=settings.poll_s)
             if failures:
                 raise failures[0]
