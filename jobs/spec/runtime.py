@@ -53,6 +53,13 @@ MAX_DIGITS: Final = 64
 MAX_AGENTIC_TURNS: Final = 32
 
 
+def batch_sizes(batch: int, min_workers: int, max_workers: int | None) -> tuple[int, ...]:
+    """The trainer sizes a global batch of ``batch`` samples splits evenly over, within the
+    group's worker limits."""
+    top = batch if max_workers is None else min(batch, max_workers)
+    return tuple(n for n in range(max(1, min_workers), top + 1) if batch % n == 0)
+
+
 def prompt_tokens(max_digits: int, terms: int = 2) -> int:
     """The longest prompt of the task: BOS, ``terms`` operands, the '+'s and a newline."""
     return terms * max_digits + terms + 1
@@ -204,3 +211,13 @@ def _check_job(
                     f"the global batch ({batch} samples: prompts_per_iteration x samples_per_prompt) must "
                     f"split evenly over the trainer's data-parallel sizes; it does not over {bad}",
                 )
+            elif (
+                draft.valid_dp == ()
+                and draft.min_workers is not None
+                and draft.max_workers_ok
+                and draft.min_workers <= draft.worker_count <= (draft.max_workers or draft.worker_count)
+            ):
+                # The trainer keeps the global batch fixed at every size it is moved to, so a
+                # size the batch does not split over is not one it can run: stating the sizes
+                # here makes every policy, move and re-placement keep to them.
+                draft.valid_dp = batch_sizes(batch, draft.min_workers, draft.max_workers)

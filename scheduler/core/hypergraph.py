@@ -133,6 +133,17 @@ class Worker:
         )
 
 
+def largest_worker_count(
+    fitting: int, *, min_workers: int, max_workers: int | None, valid_dp: tuple[int, ...]
+) -> int:
+    """The largest worker count, at most ``fitting``, within ``[min_workers, max_workers]`` and
+    the valid data-parallel sizes (any when ``valid_dp`` is empty); 0 when there is none."""
+    top = fitting if max_workers is None else min(fitting, max_workers)
+    if valid_dp:
+        return max((n for n in valid_dp if min_workers <= n <= top), default=0)
+    return top if top >= max(1, min_workers) else 0
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """Model parallelism of one worker (tp * pp GPUs) and the valid data-parallel sizes.

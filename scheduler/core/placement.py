@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.core.hypergraph import Device
+from scheduler.core.hypergraph import Device, largest_worker_count
 
 
 @dataclass(frozen=True)
@@ -154,13 +154,16 @@ def relayout(
     groups: Sequence[GroupShape], devices: Sequence[Device], *, time_shared: bool
 ) -> Placement | PlacementFailure:
     """The job's GPU groups placed anew on the devices the job holds: every group time-sharing
-    all of them (colocated), or each on its own share in the spec's split (disaggregated). The
-    groups' limits hold in either: a worker count outside [min, max] or the valid data-parallel
-    sizes, or a worker that would span two nodes, is a failure naming the group."""
+    them (colocated: as many as its largest worker count within its limits and valid
+    data-parallel sizes allows, all of them where it can), or each on its own share in the
+    spec's split (disaggregated). The groups' limits hold in either: a worker count outside
+    [min, max] or the valid data-parallel sizes, or a worker that would span two nodes, is a
+    failure naming the group."""
     ordered = global_rank_order(devices)
     requests: list[GroupRequest] = []
     for group in groups:
-        gpus = len(ordered) if time_shared else group.split_gpus
+        ranks = _time_shared_ranks(group, ordered) if time_shared else None
+        gpus = len(ranks) if ranks is not None else group.split_gpus
         if gpus <= 0 or gpus % group.gpus_per_worker:
             return PlacementFailure(
                 group.name, f"{gpus} GPUs are not whole workers of {group.gpus_per_worker} GPU(s)"
@@ -175,7 +178,6 @@ def relayout(
             return PlacementFailure(
                 group.name, f"{workers} workers is not a valid data-parallel size {list(group.valid_dp)}"
             )
-        ranks = tuple(range(len(ordered))) if time_shared else None
         requests.append(GroupRequest(group.name, workers, group.gpus_per_worker, group.hardware, ranks))
     if not time_shared and sum(r.gpus for r in requests) > len(ordered):
         return PlacementFailure(
@@ -190,3 +192,23 @@ def relayout(
             if len({d.node for d in worker}) > 1:
                 return PlacementFailure(name, f"a worker would span nodes {sorted({d.node for d in worker})}")
     return placed
+
+
+def _time_shared_ranks(group: GroupShape, ordered: Sequence[Device]) -> tuple[int, ...]:
+    """The global ranks a time-sharing group spans: its largest acceptable worker count of
+    whole workers within nodes, on the first nodes in rank order; every rank when none is
+    acceptable (``relayout`` then names the limit)."""
+    per_node: dict[str, list[int]] = defaultdict(list)
+    for rank, device in enumerate(ordered):
+        per_node[device.node].append(rank)
+    fitting = sum(len(ranks) // group.gpus_per_worker for ranks in per_node.values())
+    workers = largest_worker_count(
+        fitting, min_workers=group.min_workers, max_workers=group.max_workers, valid_dp=group.valid_dp
+    )
+    if not workers:
+        return tuple(range(len(ordered)))
+    chosen: list[int] = []
+    for ranks in per_node.values():
+        whole = min(len(ranks) // group.gpus_per_worker, workers - len(chosen) // group.gpus_per_worker)
+        chosen.extend(ranks[: whole * group.gpus_per_worker])
+    return tuple(chosen)

@@ -155,13 +155,31 @@ def test_back_to_disaggregated_the_spec_split_is_restored(agents: dict[str, Agen
     ).exists()
 
 
-def test_a_layout_outside_the_operators_limits_is_refused_and_nothing_changes(
+def test_a_colocated_trainer_spans_the_largest_of_its_valid_sizes_and_the_job_counts_as_colocated(
     agents: dict[str, Agent],
 ) -> None:
     job = running_job(agents, rollout=6, actor=2)
     job.groups.filter(name="actor").update(valid_dp=[2, 4, 6])
+    change = start(job)
+    assert isinstance(change, PlacementChange)
+    assert len(change.layout["actor"]) == 6 and len(change.layout["rollout"]) == 8
+    for kind in ("stop_workers", "launch_workers"):
+        for host, command in commands(agents, kind).items():
+            agents[host].report(command["command_id"], {"ok": True})
+    change.refresh_from_db()
+    assert change.state == PlacementChangeState.DONE
+    graph = build_hypergraph(job)
+    assert graph.node("actor").gpus == 6 and graph.node("rollout").gpus == 8
+    assert time_shared(graph)
+
+
+def test_a_layout_outside_the_operators_limits_is_refused_and_nothing_changes(
+    agents: dict[str, Agent],
+) -> None:
+    job = running_job(agents, rollout=6, actor=2)
+    job.groups.filter(name="actor").update(valid_dp=[16])
     why = start(job)
-    assert why == "actor: 8 workers is not a valid data-parallel size [2, 4, 6]"
+    assert why == "actor: 8 workers is not a valid data-parallel size [16]"
     assert not PlacementChange.objects.exists()
     assert set(Worker.objects.filter(group__job=job).values_list("state", flat=True)) == {WorkerState.RUNNING}
     assert not AgentCommand.objects.filter(kind="stop_workers").exists()

@@ -132,6 +132,36 @@ def test_the_runtime_rules_across_sections() -> None:
     assert "does not over [2]" in errors["components[2]"]
 
 
+def test_a_ray_trainers_valid_sizes_are_the_ones_its_global_batch_splits_over() -> None:
+    # 8 prompts x 4 samples = 32: a trainer moved or re-placed to 3, 5, 6 or 7 ranks could not
+    # keep the global batch fixed, so the spec states the sizes it can run.
+    spec = parse_spec(_ray_job())
+    actor = next(c for c in spec.components if c.kind.value == "actor")
+    assert actor.valid_dp == (1, 2, 4, 8, 16, 32)
+    capped = _ray_job(
+        components=[
+            {"name": "rollout", "kind": "rollout", "workers": 2},
+            {"name": "reward", "kind": "reward", "workers": 1},
+            {"name": "actor", "kind": "actor", "workers": 2, "min_workers": 2, "max_workers": 12},
+        ]
+    )
+    actor = next(c for c in parse_spec(capped).components if c.kind.value == "actor")
+    assert actor.valid_dp == (2, 4, 8)
+    # Sizes the operator states are kept as stated.
+    stated = _ray_job(
+        components=[
+            {"name": "rollout", "kind": "rollout", "workers": 2},
+            {"name": "reward", "kind": "reward", "workers": 1},
+            {"name": "actor", "kind": "actor", "workers": 2, "parallelism": {"valid_dp": [2, 4]}},
+        ]
+    )
+    actor = next(c for c in parse_spec(stated).components if c.kind.value == "actor")
+    assert actor.valid_dp == (2, 4)
+    # A sim job's trainer has no batch to keep: any size between its limits.
+    actor = next(c for c in parse_spec(_ray_job(backend="sim")).components if c.kind.value == "actor")
+    assert actor.valid_dp == ()
+
+
 AGENTIC_WORKLOAD = {
     "kind": "agentic",
     "iterations": 2,

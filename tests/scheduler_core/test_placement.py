@@ -124,19 +124,39 @@ def test_a_disaggregated_relayout_gives_each_group_its_spec_share_and_no_device_
     assert len(used) == len(set(used)) == 8
 
 
-def test_a_relayout_respects_the_operators_limits_and_names_the_group() -> None:
+def test_a_colocated_relayout_keeps_each_group_within_its_limits_on_as_many_devices_as_they_allow() -> None:
     devices = cluster({"a": ("H100", 4), "b": ("H100", 4)})
-    too_many = relayout([shape("rollout", 4), shape("actor", 4, max_workers=4)], devices, time_shared=True)
-    assert too_many == PlacementFailure("actor", "8 workers is outside its limits (1–4)")
-    invalid_dp = relayout(
-        [shape("rollout", 4), shape("actor", 4, valid_dp=(2, 4, 6))], devices, time_shared=True
-    )
-    assert invalid_dp == PlacementFailure("actor", "8 workers is not a valid data-parallel size [2, 4, 6]")
-    uneven = relayout(
+    capped = relayout([shape("rollout", 4), shape("actor", 4, max_workers=4)], devices, time_shared=True)
+    assert not isinstance(capped, PlacementFailure)
+    assert len(capped["rollout"]) == 8 and len(capped["actor"]) == 4
+    # A trainer whose global batch does not split over 8 ranks time-shares 6 of the 8 GPUs.
+    sized = relayout([shape("rollout", 4), shape("actor", 4, valid_dp=(2, 4, 6))], devices, time_shared=True)
+    assert not isinstance(sized, PlacementFailure)
+    assert len(sized["actor"]) == 6 and all(len({d.node for d in w}) == 1 for w in sized["actor"])
+    engines = relayout(
         [shape("rollout", 6, gpus_per_worker=4), shape("actor", 2)],
         cluster({"a": ("H100", 6)}),
         time_shared=True,
     )
+    assert not isinstance(engines, PlacementFailure)
+    assert len(engines["rollout"]) == 1 and len(engines["actor"]) == 6
+    # Whole workers within nodes: two-GPU engines on nodes of 3 and 4 GPUs are three engines.
+    odd = relayout(
+        [shape("rollout", 4, gpus_per_worker=2), shape("actor", 2)],
+        cluster({"a": ("H100", 3), "b": ("H100", 4)}),
+        time_shared=True,
+    )
+    assert not isinstance(odd, PlacementFailure)
+    assert len(odd["rollout"]) == 3 and all(len({d.node for d in w}) == 1 for w in odd["rollout"])
+
+
+def test_a_relayout_respects_the_operators_limits_and_names_the_group() -> None:
+    devices = cluster({"a": ("H100", 4), "b": ("H100", 4)})
+    none_fits = relayout([shape("rollout", 4), shape("actor", 4, valid_dp=(16,))], devices, time_shared=True)
+    assert none_fits == PlacementFailure("actor", "8 workers is not a valid data-parallel size [16]")
+    over = relayout([shape("rollout", 4), shape("actor", 6, max_workers=4)], devices, time_shared=False)
+    assert over == PlacementFailure("actor", "6 workers is outside its limits (1–4)")
+    uneven = relayout([shape("rollout", 3, gpus_per_worker=2), shape("actor", 2)], devices, time_shared=False)
     assert isinstance(uneven, PlacementFailure) and uneven.group == "rollout"
     # A spec that was colocated has no split of its own to go back to.
     overlapping = relayout([shape("rollout", 8), shape("actor", 8)], devices, time_shared=False)

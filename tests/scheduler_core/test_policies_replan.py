@@ -8,7 +8,7 @@ from typing import Any
 
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Reason
-from scheduler.core.hypergraph import ComponentKind, Hypergraph
+from scheduler.core.hypergraph import ComponentKind, Hypergraph, Parallelism
 from scheduler.core.policies import Placement
 from scheduler.core.policies.outcomes import MIN_OUTCOMES, MoveOutcomes, OpenOutcome
 from scheduler.core.policies.replan import (
@@ -17,6 +17,7 @@ from scheduler.core.policies.replan import (
     IterationRecord,
     PlacementModel,
     Replanner,
+    time_shared,
 )
 from scheduler.core.signals import GroupSignals
 from scheduler.core.sim.families import LengthFamily, reshape
@@ -117,6 +118,26 @@ def test_a_ledger_that_saw_too_little_of_an_iteration_records_nothing() -> None:
     # A gap (a restarted scheduler) is charged to nobody.
     tick(ledger, 500.0, idle=0, in_flight=40, actor_utilisation=0.0)
     assert ledger.sums["rollout_body_s"] == 1.0
+
+
+def test_a_job_is_time_shared_when_every_gpu_group_sits_on_the_widest_ones_devices() -> None:
+    everywhere = make_graph(
+        make_group("rollout", ROLLOUT, 8, first_device=0), make_group("actor", ACTOR, 8, first_device=0)
+    )
+    fewer = make_graph(
+        make_group("rollout", ROLLOUT, 8, first_device=0), make_group("actor", ACTOR, 6, first_device=2)
+    )
+    apart = make_graph(
+        make_group("rollout", ROLLOUT, 6, first_device=0), make_group("actor", ACTOR, 2, first_device=6)
+    )
+    # Log-probs sharing the trainer's two GPUs while the rollout has its own: only partly shared.
+    partly = make_graph(
+        make_group("rollout", ROLLOUT, 6, first_device=0),
+        make_group("ref", ComponentKind.INFERENCE, 2, first_device=6),
+        make_group("actor", ACTOR, 2, first_device=6),
+    )
+    assert time_shared(everywhere) and time_shared(fewer)
+    assert not time_shared(apart) and not time_shared(partly)
 
 
 # -- the placement choice ---------------------------------------------------------------------
@@ -245,6 +266,24 @@ def test_the_live_policy_records_a_placement_it_cannot_switch_to() -> None:
     assert policy._replan(job(), record(Placement.DISAGGREGATED, 95.0)) is None
     assert policy.mode is Placement.DISAGGREGATED
     assert "not carried out" in policy.replan_note and "colocated saves" in policy.replan_note
+
+
+def test_colocated_is_predicted_with_the_trainer_on_the_gpus_its_valid_sizes_allow() -> None:
+    model = PlacementModel(COST, n_minibatches=8)
+    last = record(Placement.DISAGGREGATED, 95.0)
+    # 2,800 GPU-s of pipeline over 64 GPUs, or over the 16 a trainer limited to 16 ranks spans.
+    assert model.colocated_s(last, 16) - model.colocated_s(last) == 2800.0 / 16 - 2800.0 / 64
+    # The job that colocates with a trainer on every GPU stays disaggregated when its trainer
+    # can only run 1, 2, 4, 8 or 16 ranks: the policy reads that off the trainer's group.
+    spans_all, limited = policy_with(), policy_with()
+    for policy in (spans_all, limited):
+        policy.replanner.learn(last)
+    everywhere = replace(job(), iteration=1)
+    chosen = spans_all._replan(everywhere, last)
+    assert chosen is not None and chosen.placement is Placement.COLOCATED
+    sized = replace(job(parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16))), iteration=1)
+    assert limited._replan(sized, last) is None
+    assert "disaggregated stays" in limited.replan_note
 
 
 # -- do no harm, per kind of move --------------------------------------------------------------

@@ -489,8 +489,19 @@ class DynaRLPolicy(BasePolicy):
         # Time-sharing runs the stages in turn: a job generating ahead of its trainer
         # (asynchronous RL) would lose its overlap, so it stays disaggregated.
         allow = self.memory.batches_ahead(graph.iteration) == 0
-        trainer_gpus = sum(n.gpus for n in graph.by_kind(ComponentKind.ACTOR))
-        choice = self.replanner.choose(self.mode, rollout_gpus, trainer_gpus, allow_colocated=allow)
+        trainers = graph.by_kind(ComponentKind.ACTOR)
+        trainer_gpus = sum(n.gpus for n in trainers)
+        # Colocated, the trainer spans the largest of its valid sizes that fits on the job's GPUs
+        # (a batch that does not split over all of them leaves some out of the train step).
+        spans = [largest_valid_gpus(node, total) for node in trainers]
+        colocated_trainer_gpus = min(spans) if spans and 0 < min(spans) < total else None
+        choice = self.replanner.choose(
+            self.mode,
+            rollout_gpus,
+            trainer_gpus,
+            allow_colocated=allow,
+            colocated_trainer_gpus=colocated_trainer_gpus,
+        )
         if choice is None:
             return None
         self.last_replan = choice.detail

@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.core.hypergraph import ComponentKind, Hypergraph, HyperNode
+from scheduler.core.hypergraph import ComponentKind, Hypergraph, HyperNode, largest_worker_count
 from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signals import GroupSignals
 
@@ -382,14 +382,13 @@ class PaceMemory:
 def largest_valid_gpus(node: HyperNode, gpus: int) -> int:
     """The GPUs of the largest valid worker count the group can run within ``gpus``."""
     per_worker = node.parallelism.gpus_per_worker
-    workers = gpus // per_worker
-    if node.max_workers is not None:
-        workers = min(workers, node.max_workers)
-    valid_dp = node.parallelism.valid_dp
-    if valid_dp:
-        fitting = [n for n in valid_dp if node.min_workers <= n <= workers]
-        return max(fitting, default=0) * per_worker
-    return workers * per_worker if workers >= node.min_workers else 0
+    workers = largest_worker_count(
+        gpus // per_worker,
+        min_workers=node.min_workers,
+        max_workers=node.max_workers,
+        valid_dp=node.parallelism.valid_dp,
+    )
+    return workers * per_worker
 
 
 def _max_excluding(ranked: Sequence[tuple[float, str]], excluded: Mapping[str, int]) -> float:

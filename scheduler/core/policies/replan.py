@@ -231,9 +231,12 @@ def gpu_device_ids(graph: Hypergraph) -> set[str]:
 
 def time_shared(graph: Hypergraph) -> bool:
     """Whether every GPU group of the job takes turns on the same devices (a colocated
-    placement). A job where only some groups share devices is not: its other groups may move."""
+    placement): every group on devices of the largest one (a trainer whose valid sizes stop
+    short of all of them spans fewer). A job where only some groups share devices is not: its
+    other groups may move."""
     held = [frozenset(node.device_ids) for node in graph.nodes if node.kind in GPU_KINDS and node.gpus]
-    return len(held) > 1 and len(set(held)) == 1
+    widest = max(held, key=len, default=frozenset())
+    return len(held) > 1 and all(devices <= widest for devices in held)
 
 
 @dataclass(frozen=True)
@@ -251,16 +254,18 @@ class PlacementModel:
         in_job = replace(self.cost_model, measured_scale=1.0)
         return 2.0 * in_job.estimate_s(MigrationStrategy.P2P, gpus_moved=gpus, recipient_gpus_after=gpus)
 
-    def colocated_s(self, record: IterationRecord) -> float:
+    def colocated_s(self, record: IterationRecord, pipeline_gpus: int | None = None) -> float:
         """The stages in turn on all GPUs: the rollout's body spread over every engine, its
         tail as long as it was (a straggler decodes one token a step on any number of GPUs),
-        the pipeline over every GPU, and two stage switches. No rollout is taken to be shorter
-        than the one measured: its longest episode ran from its start to its end, and more
-        engines do not shorten the parts of it that wait (tool calls, turns) or decode alone.
-        That errs towards the placement the job has, which is the no-harm side."""
+        the pipeline over every GPU (over ``pipeline_gpus`` when the trainer's valid sizes stop
+        short of all of them), and two stage switches. No rollout is taken to be shorter than
+        the one measured: its longest episode ran from its start to its end, and more engines
+        do not shorten the parts of it that wait (tool calls, turns) or decode alone. That errs
+        towards the placement the job has, which is the no-harm side."""
         n = max(1, record.total_gpus)
+        spread = n if pipeline_gpus is None else min(n, max(1, pipeline_gpus))
         rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, record.rollout_s)
-        return rollout + record.pipeline_gpu_s / n + self.stage_switches_s(n)
+        return rollout + record.pipeline_gpu_s / spread + self.stage_switches_s(n)
 
     def disaggregated_s(self, record: IterationRecord, rollout_gpus: int) -> float:
         """The rollout's body on its ``rollout_gpus``, its tail on the engines that keep the
@@ -299,16 +304,28 @@ class PlacementModel:
             return rate * pipeline_gpus * body_s
         return 0.5 * pipeline_gpus * body_s
 
-    def predict_s(self, record: IterationRecord, placement: Placement, rollout_gpus: int) -> float:
+    def predict_s(
+        self,
+        record: IterationRecord,
+        placement: Placement,
+        rollout_gpus: int,
+        colocated_trainer_gpus: int | None = None,
+    ) -> float:
         if placement is Placement.COLOCATED:
-            return self.colocated_s(record)
+            return self.colocated_s(record, colocated_trainer_gpus)
         return self.disaggregated_s(record, rollout_gpus)
 
-    def switch_s(self, to: Placement, total_gpus: int, trainer_gpus: int) -> float:
+    def switch_s(
+        self, to: Placement, total_gpus: int, trainer_gpus: int, colocated_trainer_gpus: int | None = None
+    ) -> float:
         """The one-off cost of changing placement at a boundary: the trainer's state spreads to
-        (or gathers from) every GPU, and engines start on the GPUs that gain one."""
-        moved = max(1, total_gpus - trainer_gpus)
-        after = total_gpus if to is Placement.COLOCATED else max(1, trainer_gpus)
+        (or gathers from) the GPUs it spans colocated (every GPU unless its valid sizes stop
+        short), and engines start on the GPUs that gain one."""
+        colocated = total_gpus if colocated_trainer_gpus is None else min(total_gpus, colocated_trainer_gpus)
+        if to is Placement.COLOCATED:
+            moved, after = max(1, colocated - trainer_gpus), colocated
+        else:
+            moved, after = max(1, total_gpus - trainer_gpus), max(1, trainer_gpus)
         return (
             self.cost_model.estimate_s(MigrationStrategy.P2P, gpus_moved=moved, recipient_gpus_after=after)
             + self.cost_model.engine_launch_s()
@@ -368,7 +385,9 @@ class Replanner:
         self.records[record.placement] = record
         self.last = record
 
-    def predicted_s(self, placement: Placement, rollout_gpus: int) -> tuple[float, bool]:
+    def predicted_s(
+        self, placement: Placement, rollout_gpus: int, colocated_trainer_gpus: int | None = None
+    ) -> tuple[float, bool]:
         """Seconds the next iteration takes under ``placement``, and whether that rests on a
         measurement of it (rather than on the model alone)."""
         last = self.last
@@ -380,20 +399,28 @@ class Replanner:
         unchanged = since is not None and abs(last.tail_share - since.tail_share) <= SHAPE_CHANGE
         if seen is not None and unchanged and seen.tokens > 0 and last.tokens > 0:
             return seen.duration_s * last.tokens / seen.tokens, True
-        return self.model.predict_s(last, placement, rollout_gpus), False
+        return self.model.predict_s(last, placement, rollout_gpus, colocated_trainer_gpus), False
 
     def choose(
-        self, current: Placement, rollout_gpus: int, trainer_gpus: int, *, allow_colocated: bool
+        self,
+        current: Placement,
+        rollout_gpus: int,
+        trainer_gpus: int,
+        *,
+        allow_colocated: bool,
+        colocated_trainer_gpus: int | None = None,
     ) -> PlacementChoice | None:
-        """The placement for the next iteration, or None with nothing measured yet."""
+        """The placement for the next iteration, or None with nothing measured yet.
+        ``colocated_trainer_gpus``: the GPUs the trainer spans when colocated, where its valid
+        sizes stop short of all the job's GPUs (None: all of them)."""
         record = self.last
         if record is None:
             return None
         other = Placement.DISAGGREGATED if current is Placement.COLOCATED else Placement.COLOCATED
-        stay, _ = self.predicted_s(current, rollout_gpus)
-        move, measured = self.predicted_s(other, rollout_gpus)
+        stay, _ = self.predicted_s(current, rollout_gpus, colocated_trainer_gpus)
+        move, measured = self.predicted_s(other, rollout_gpus, colocated_trainer_gpus)
         predicted = {current: stay, other: move}
-        switch = self.model.switch_s(other, record.total_gpus, trainer_gpus)
+        switch = self.model.switch_s(other, record.total_gpus, trainer_gpus, colocated_trainer_gpus)
         margin = self.margin if measured else max(self.margin, self.trial_margin(other))
         basis = "its measured throughput on this job" if measured else "modelled from this iteration"
         summary = (
