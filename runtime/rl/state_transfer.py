@@ -110,7 +110,7 @@ def _buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
+def rng_state(device: torch.device) -> torch.Tensor:
     """The torch RNG state: the CPU generator's, then the CUDA device's when training on one."""
     parts = [torch.get_rng_state()]
     if device.type == "cuda":
@@ -118,7 +118,8 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _layout(trainer: Trainer) -> list[list[Any]]:
+def parameter_layout(trainer: Trainer) -> list[list[Any]]:
+    """Each parameter's name, shape and dtype: what two ranks' states must share to be exchanged."""
     return [
         [name, list(p.shape), str(p.dtype).removeprefix("torch.")]
         for name, p in trainer.module.named_parameters()
@@ -200,14 +201,14 @@ def transfer_state(
     if sending:
         header = {
             "format": _FORMAT,
-            "layout": _layout(trainer),
+            "layout": parameter_layout(trainer),
             "step": trainer.step,
             "param_groups": [
                 {key: value for key, value in group_.items() if key != "params"}
                 for group_ in trainer.optimizer.param_groups
             ],
             "cursor": dict(cursor or {}),
-            "rng_bytes": int(_rng_state(device).numel()),
+            "rng_bytes": int(rng_state(device).numel()),
         }
     header = json.loads(
         _broadcast_bytes(group, None if header is None else json.dumps(header).encode(), device)
@@ -215,7 +216,7 @@ def transfer_state(
     assert header is not None
     if not sending and header.get("format") != _FORMAT:
         raise TransferFailed(f"transfer format {header.get('format')}, this rank reads {_FORMAT}")
-    if not sending and header["layout"] != _layout(trainer):
+    if not sending and header["layout"] != parameter_layout(trainer):
         # Nothing can be received into this model: the sender's first broadcast then fails or
         # its verdict never comes, and the migration is abandoned.
         raise TransferFailed("the sender's model has other parameters or shapes than this rank's")
@@ -225,7 +226,7 @@ def transfer_state(
         steps = torch.stack([torch.as_tensor(s["step"], dtype=torch.float32).cpu() for s in states]).to(
             device
         )
-        rng = _rng_state(device).to(device)
+        rng = rng_state(device).to(device)
     else:
         steps = torch.empty(len(states), dtype=torch.float32, device=device)
         rng = torch.empty(int(header["rng_bytes"]), dtype=torch.uint8, device=device)
@@ -280,10 +281,15 @@ def _apply(
         for key, value in settings.items():
             group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     trainer.step = int(header["step"])
+    set_rng_state(rng, trainer.device)
+
+
+def set_rng_state(rng: torch.Tensor, device: torch.device) -> None:
+    """Restore what ``rng_state`` returned (on the CPU)."""
     cpu_bytes = int(torch.get_rng_state().numel())
     torch.set_rng_state(rng[:cpu_bytes].clone())
-    if trainer.device.type == "cuda" and rng.numel() > cpu_bytes:
-        torch.cuda.set_rng_state(rng[cpu_bytes:].clone(), trainer.device)
+    if device.type == "cuda" and rng.numel() > cpu_bytes:
+        torch.cuda.set_rng_state(rng[cpu_bytes:].clone(), device)
 
 
 def state_checksums(trainer: Trainer) -> dict[str, str]:

@@ -66,6 +66,8 @@ LAUNCH_TIMEOUT_S: Final = 120.0
 CALL_TIMEOUT_S: Final = 2.0
 TELEMETRY_WAIT_S: Final = 1.0
 STEP_TIMEOUT_S: Final = 600.0
+# A re-placement's stop waits this long for the job's driver to keep the trainer's state.
+KEEP_STATE_WAIT_S: Final = 300.0
 # The strategies carried out, and which of their step kinds the job's driver does (once for all the
 # step's nodes); the others are each node's own (starting and stopping its workers).
 DRIVER_KINDS: Final = {
@@ -212,10 +214,17 @@ class RayBackend:
         self, job_id: int, worker_names: Sequence[str], *, redo_from_iteration: int | None = None
     ) -> dict[str, Any]:
         """Kill the workers' actors; once a job has no worker left anywhere, its driver too. A job
-        being placed anew (``redo_from_iteration``) restarts from the driver's state, which the
-        new workers' driver has no part of: its iterations are redone from scratch."""
+        being placed anew (``redo_from_iteration``) first has its driver keep the trainer's state
+        (``JobDriver.keep_state``): the new layout's driver resumes from it and redoes that
+        iteration, instead of training from the warm start again."""
         stopped: dict[str, dict[str, Any]] = {}
         jobs = {job_id} if job_id else set()
+        jobs |= {owner for name in worker_names if (owner := job_of(name)) is not None}
+        kept = (
+            {owner: self._keep_state(owner, redo_from_iteration) for owner in sorted(jobs)}
+            if redo_from_iteration is not None
+            else {}
+        )
         for name in worker_names:
             self._forget(name)
             try:
@@ -223,14 +232,34 @@ class RayBackend:
                 stopped[name] = {"ok": True, "error": ""}
             except TimeoutError as exc:
                 stopped[name] = {"ok": False, "error": str(exc)}
-            if (owner := job_of(name)) is not None:
-                jobs.add(owner)
         for owner in jobs:
             if not job_driver.job_actors(owner):
                 job_driver.stop_driver(owner)
                 with self._lock:
                     self._lost.pop(owner, None)
-        return {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
+        result: dict[str, Any] = {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
+        if kept:
+            result["trainer_state"] = {str(owner): outcome for owner, outcome in kept.items()}
+        return result
+
+    def _keep_state(self, job_id: int, redo_from_iteration: int) -> dict[str, Any]:
+        """The job driver's ``keep_state`` (the first node to ask has it done), or why not. A
+        stop goes on either way: the control plane is placing the job anew."""
+        handle = job_driver.driver_handle(job_id)
+        if handle is None:
+            return {"kept": False, "why": "the job's driver is gone"}
+        try:
+            outcome: dict[str, Any] = ray.get(
+                handle.keep_state.remote(redo_from_iteration), timeout=KEEP_STATE_WAIT_S
+            )
+        except (RayError, GetTimeoutError) as exc:
+            outcome = {
+                "kept": False,
+                "why": f"the job's driver did not keep it: {str(exc).splitlines()[0][:300]}",
+            }
+        if not outcome.get("kept"):
+            log.warning("job %s: the trainer's state was not kept: %s", job_id, outcome.get("why"))
+        return outcome
 
     def execute_step(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """This node's part of a migration step (docs/ray-backend.md, "Migrations"): the trainer's

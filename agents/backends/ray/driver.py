@@ -64,6 +64,9 @@ STEP_TIMEOUT_S: Final = 1800.0
 # The longest a p2p migration may hold the trainer (transfer to switch) before the job fails:
 # a migration abandoned without its compensations must not stall the job for good.
 GATE_TIMEOUT_S: Final = 900.0
+# How long keeping the trainer's state for a re-placement waits for a train step or weight push
+# under way to end.
+KEEP_STATE_TIMEOUT_S: Final = 120.0
 CALL_TIMEOUT_S: Final = 2.0
 DRIVER_PREFIX: Final = "dynarl-job-"
 RESULTS_SENT: Final = 8  # the latest iteration results each heartbeat repeats (kept once by iteration)
@@ -427,6 +430,9 @@ class JobDriver:
         self._samples: dict[str, tuple[int, int]] = {}
         self._results: list[dict[str, Any]] = []
         self._failure: str | None = None
+        self._trained_version: str | None = None  # the trainer's weight version after _trained
+        self._kept: dict[int, dict[str, Any]] = {}  # keep_state's outcome, by the iteration redone
+        self._keep_lock = threading.Lock()
         self._workers: dict[str, Any] = {}  # member worker -> its actor, once found
         # The trainer as the loop drives it, its ranks' workers in rank order, and the rollout
         # engines' URLs (a new rank 0 opens the weight push to them): set up by the loop.
@@ -510,6 +516,69 @@ class JobDriver:
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
+
+    def keep_state(self, redo_from_iteration: int) -> dict[str, Any]:
+        """Before the job is placed anew (every worker stops; the new layout's driver redoes
+        ``redo_from_iteration``): write the trainer's state after the iteration before it where
+        the new driver reads it (``state_path``). From here on this driver's trainer takes no
+        step and its loop's failures are not the job's: its workers are about to stop. Every
+        node asks before it stops its workers; the first call does the work, the others get its
+        outcome. Returns ``kept`` and, when nothing was kept, why: the new driver then refuses
+        to resume rather than start over from the warm start."""
+        with self._keep_lock:
+            if redo_from_iteration not in self._kept:
+                self.shutdown()
+                self._kept[redo_from_iteration] = self._keep(redo_from_iteration)
+            return self._kept[redo_from_iteration]
+
+    def state_path(self) -> Path:
+        """Where the job's trainer state is kept across a re-placement (on storage every node of
+        the job reads)."""
+        return self.checkpoint_dir / f"job-{self.job_id}" / "trainer-state.pt"
+
+    def _keep(self, redo_from_iteration: int) -> dict[str, Any]:
+        trained = redo_from_iteration - 1
+        if trained < 0:
+            self.state_path().unlink(missing_ok=True)
+            return {
+                "kept": False,
+                "why": "nothing was trained yet: the new trainer starts from the warm start",
+            }
+        if not self._trainer.ranks:
+            return {"kept": False, "why": "the trainer was not set up"}
+        try:
+            # Wait for a step or push under way to end, and let no other begin.
+            self._trainer.gate.hold("re-placement", KEEP_STATE_TIMEOUT_S)
+        except TimeoutError as exc:
+            return {"kept": False, "why": str(exc)}
+        with self._lock:
+            version, last = self._trained_version, self._trained
+        try:
+            rank0 = self._trainer.ranks[0]
+            current = str(ray.get(rank0.weight_version.remote(), timeout=KEEP_STATE_TIMEOUT_S))
+            if last != trained or current != version:
+                return {
+                    "kept": False,
+                    "why": f"the trainer is at weight version {current} (iteration {last} trained), not the "
+                    f"state after iteration {trained} that the new layout redoes iteration "
+                    f"{redo_from_iteration} from",
+                }
+            cursor = {"trained_iteration": trained, "weight_version": version}
+            kept = ray.get(
+                rank0.keep_state.remote(str(self.state_path()), cursor), timeout=KEEP_STATE_TIMEOUT_S
+            )
+        except (RayError, OSError) as exc:
+            return {
+                "kept": False,
+                "why": f"the trainer's rank 0 could not write its state: {_first_line(exc)}",
+            }
+        log.info(
+            "job %s: kept the trainer's state after iteration %s (%s bytes)",
+            self.job_id,
+            trained,
+            kept["bytes"],
+        )
+        return {"kept": True, "iteration": trained, **kept}
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -600,6 +669,7 @@ class JobDriver:
                 agent=self._agent,
             )
             self._record(report, view)
+        self.state_path().unlink(missing_ok=True)  # the job is done: nothing will resume from it
 
     def _resolve(self, view: _View) -> dict[str, Any]:
         """Each member's actor handle, by worker name (actors are named ``<node>/<worker>``)."""
@@ -640,7 +710,12 @@ class JobDriver:
             [rank.join.remote(store, i, len(ranks), "dp-0", initial) for i, rank in enumerate(ranks)],
             timeout=SETUP_TIMEOUT_S,
         )
+        resumed = self._resume(view, ranks)
         ray.get(ranks[0].connect_engines.remote([urls[n] for n in rollout_names]), timeout=SETUP_TIMEOUT_S)
+        if resumed:
+            # The engines loaded the warm start; they generate the next iteration with the
+            # trained weights the job stopped at.
+            ray.get(ranks[0].push_weights.remote(), timeout=SETUP_TIMEOUT_S)
         reference = None
         if inference_names:
             self._reference_pool = EnginePool({n: clients[n] for n in inference_names}, role="reference")
@@ -653,6 +728,33 @@ class JobDriver:
         pool = self._pool = EnginePool({n: clients[n] for n in rollout_names})
         self._ready.set()
         return pool, reference, reward, self._trainer
+
+    def _resume(self, view: _View, ranks: Sequence[Any]) -> bool:
+        """A job placed anew mid-way (the control plane has opened an iteration past 0): every
+        rank loads the trainer state the old layout kept after the iteration before it. Training
+        never starts over from the warm start in the middle of a job: without that state the job
+        fails with the reason."""
+        if view.iteration == 0:
+            return False
+        path = self.state_path()
+        try:
+            loaded = ray.get([rank.resume_state.remote(str(path)) for rank in ranks], timeout=SETUP_TIMEOUT_S)
+        except RayError as exc:
+            raise JobFailed(
+                f"the job resumes at iteration {view.iteration} but its trainer's state was not kept: "
+                f"{_first_line(exc)}"
+            ) from exc
+        trained = loaded[0]["cursor"].get("trained_iteration")
+        if trained != view.iteration - 1:
+            raise JobFailed(
+                f"the job resumes at iteration {view.iteration} but the trainer state kept at {path} is "
+                f"after iteration {trained}"
+            )
+        with self._lock:
+            self._trained = trained
+            self._trained_version = str(loaded[0]["cursor"].get("weight_version", loaded[0]["step"]))
+        log.info("job %s: resumed at iteration %s from the trainer's kept state", self.job_id, view.iteration)
+        return True
 
     @property
     def pool(self) -> EnginePool:
@@ -698,6 +800,7 @@ class JobDriver:
         with self._lock:
             self._samples = {name: (count, count) for name, count in per_engine.items()}
             self._trained = report.iteration
+            self._trained_version = report.weight_version
             self._trained_samples = report.samples
             self._results.append(result)
             self._phase = "trained"

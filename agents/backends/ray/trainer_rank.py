@@ -5,6 +5,7 @@ with it megatron-core: the engines' and the reward's start without it."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch._C import _distributed_c10d as c10d  # torch.distributed's stores are
 from agents.backends.ray.actors import Usage, WorkerUsage, free_port, node_ip
 from runtime.engine.client import EngineClient
 from runtime.engine.weight_sync import DEFAULT_GROUP_NAME
+from runtime.rl.checkpoint import load_trainer_state, save_trainer_state
 from runtime.rl.grpo import Trajectory
 from runtime.rl.state_transfer import TransferRendezvous, state_checksums, transfer_state
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
@@ -71,6 +73,19 @@ class TrainerRankWorker:
         if self._trainer is None:
             raise ValueError("this trainer rank has not joined its data-parallel group yet")
         return self._trainer
+
+    # -- a re-placement of the job ------------------------------------------------------------------
+
+    def keep_state(self, path: str, cursor: Mapping[str, Any]) -> dict[str, Any]:
+        """Write this rank's whole state and ``cursor`` to ``path`` (runtime/rl/checkpoint.py)
+        before the job's workers stop to be placed anew."""
+        kept = save_trainer_state(self._joined(), Path(path), cursor)
+        return {"path": str(kept.path), "step": kept.step, "bytes": kept.bytes}
+
+    def resume_state(self, path: str) -> dict[str, Any]:
+        """Load the state a trainer of the job kept at ``path``; returns its step and cursor."""
+        kept = load_trainer_state(self._joined(), Path(path))
+        return {"step": kept.step, "cursor": dict(kept.cursor), "bytes": kept.bytes}
 
     # -- a p2p migration --------------------------------------------------------------------------
 
