@@ -90,8 +90,8 @@ def verbs(migration: Migration) -> set[str]:
     )
 
 
-# Five drills, each restarting every agent (a new Ray driver each): about three minutes here.
-@pytest.mark.timeout(480)
+# Eight drills, each restarting every agent (a new Ray driver each): about five minutes here.
+@pytest.mark.timeout(780)
 @pytest.mark.django_db(transaction=True)
 def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
     live_stack: LiveStack, ray_cluster: LocalRayCluster, warm_start_cache: Path
@@ -102,14 +102,20 @@ def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
     # then shrinks back by two onto the rollout (the agents killed in the trainer's switch, the
     # point of no return, after it took effect); it grows by two rollout GPUs again (the agents
     # killed as the engines' devices are released, the workload donor's point of no return) and
-    # shrinks back (the agents killed in the trainer's barrier, before its switch). Every move
-    # takes effect whole: no rollback runs over a step that happened.
+    # shrinks back (the agents killed in the trainer's barrier, before its switch). Then the
+    # reward's restart moves: it grows by a trainer GPU (the agents killed in its new worker's
+    # health check) and gives it back (killed as its leaving worker is drained), and the
+    # rollout gives two engines once more (killed as they are paused). Every move takes effect
+    # whole: no rollback runs over a step that happened.
     for donor, recipient, workers, killed in (
         ("reward", "actor", 1, "transfer_state"),
         ("rollout", "actor", 2, "take_back_requests"),
         ("actor", "rollout", 2, "switch"),
         ("rollout", "actor", 2, "release_devices"),
         ("actor", "rollout", 2, "barrier"),
+        ("actor", "reward", 1, "health_check"),
+        ("reward", "actor", 1, "drain"),
+        ("rollout", "actor", 2, "pause_workers"),
     ):
         before = allocation(job)
         moved = drill(live_stack, job, donor, recipient, workers, killed)
@@ -120,8 +126,8 @@ def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
         assert after[recipient] == before[recipient] | set(moved.device_uids), killed
         assert not after[donor] & set(moved.device_uids), killed
         assert ownership_is_consistent(job) == [], killed
-    assert len(live_workers(job, "actor")) == 2, live_workers(job)
-    assert len(live_workers(job, "rollout")) == 4 and len(live_workers(job, "reward")) == 1
+    assert len(live_workers(job, "actor")) == 4, live_workers(job)
+    assert len(live_workers(job, "rollout")) == 2 and len(live_workers(job, "reward")) == 1
 
     # It trains on at the layout the drills left, then the operator cancels it.
     trained = job.iteration_results.count()
