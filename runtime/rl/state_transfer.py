@@ -50,6 +50,8 @@ from runtime.rl.trainer import DataParallelRendezvous, Trainer, create_data_para
 
 SENDER: Final = 0
 _FORMAT: Final = 3
+# How often a rank waiting for the others to check in looks whether the transfer was abandoned.
+CHECK_IN_POLL_S: Final = 0.05
 
 
 class TransferFailed(RuntimeError):
@@ -170,6 +172,30 @@ def _wire(trainer: Trainer) -> list[tuple[str, torch.Tensor]]:
     )
 
 
+def abandon_transfer(store: c10d.Store, prefix: str, why: str) -> None:
+    """Tell the ranks of the transfer under ``prefix`` still waiting for the others to check in
+    to give up now, with ``why`` (a receiver that died before it arrived would otherwise keep the
+    sender, a rank of the running trainer, waiting out the whole timeout)."""
+    store.set(f"{prefix}/abandoned", why)
+
+
+def _check_in(rendezvous: TransferRendezvous) -> None:
+    """Wait until every rank of the transfer has arrived, or it was abandoned, or the timeout.
+    Only then is the group built: its own rendezvous cannot be interrupted."""
+    store, prefix = rendezvous.store, rendezvous.prefix
+    store.set(f"{prefix}/present/{rendezvous.rank}", "1")
+    everyone = [f"{prefix}/present/{rank}" for rank in range(rendezvous.world_size)]
+    abandoned = f"{prefix}/abandoned"
+    deadline = time.monotonic() + rendezvous.timeout_s
+    while not store.check(everyone):
+        if store.check([abandoned]):
+            raise TransferFailed(f"the transfer was abandoned: {store.get(abandoned).decode()}")
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(everyone) if not store.check([key])]
+            raise TransferFailed(f"rank(s) {missing} did not arrive within {rendezvous.timeout_s:g} s")
+        time.sleep(CHECK_IN_POLL_S)
+
+
 def transfer_state(
     trainer: Trainer, rendezvous: TransferRendezvous, cursor: Mapping[str, Any] | None = None
 ) -> TransferReport:
@@ -183,8 +209,12 @@ def transfer_state(
     receiver receives into its own parameters and optimizer state), each tensor's checksum computed
     as soon as it is there (the sender's as they leave), then the AdamW step counts and the RNG
     state, then the sender's checksums; each receiver compares, and the group agrees on the verdict. The
-    step counts, settings, step and RNG are applied only then. The sender only reads."""
+    step counts, settings, step and RNG are applied only then. The sender only reads.
+
+    Before the group is built, every rank checks in on the store: a transfer abandoned meanwhile
+    (``abandon_transfer``, when a receiver is known dead) raises `TransferFailed` at once."""
     device = trainer.device
+    _check_in(rendezvous)
     group = create_data_parallel_group(
         DataParallelRendezvous(
             store=rendezvous.store,

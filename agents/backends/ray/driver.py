@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -831,6 +832,8 @@ P2P_KINDS: Final = frozenset(
     {"transfer_state", "discard_transfer", "rebuild_groups", "restore_groups", "barrier", "switch"}
 )
 MIGRATION_TIMEOUT_S: Final = 300.0
+# How long a failed transfer waits for its other ranks to give up before it reports.
+ABANDON_WAIT_S: Final = 30.0
 
 
 def worker_actor(worker: str) -> Any:
@@ -920,11 +923,11 @@ class P2pMigration(_OncePerStep):
         store = ray.get(sender.host_store.remote(world), timeout=MIGRATION_TIMEOUT_S)
         prefix = f"transfer-{migration}-a{attempt}"
         cursor = {"iteration": self.driver._iteration, "trained_iteration": self.driver._trained}
-        reports: list[dict[str, Any]] = ray.get(
-            [sender.transfer.remote(store, 0, world, prefix, cursor)]
-            + [h.transfer.remote(store, i, world, prefix, {}) for i, h in enumerate(handles, 1)],
-            timeout=MIGRATION_TIMEOUT_S,
-        )
+        calls = [sender.transfer.remote(store, 0, world, prefix, cursor)] + [
+            h.transfer.remote(store, i, world, prefix, {}) for i, h in enumerate(handles, 1)
+        ]
+        self._await_transfer(calls, ["sender", *receivers], sender, store, world, prefix)
+        reports: list[dict[str, Any]] = ray.get(calls, timeout=MIGRATION_TIMEOUT_S)
         sent = reports[0]["checksums"]
         wrong = [w for w, report in zip(receivers, reports[1:], strict=True) if report["checksums"] != sent]
         if wrong:
@@ -938,6 +941,28 @@ class P2pMigration(_OncePerStep):
             "step": int(reports[0]["step"]),
             "checksums": sent,
         }
+
+    def _await_transfer(
+        self, calls: list[Any], ranks: list[str], sender: Any, store: str, world: int, prefix: str
+    ) -> None:
+        """Wait for every rank's part of a transfer. The first that fails ends the wait: a
+        receiver that died has the transfer abandoned, so the sender (a rank of the running
+        trainer) stops waiting for it at once rather than at the rendezvous' timeout."""
+        rank_of = {ref: name for ref, name in zip(calls, ranks, strict=True)}
+        pending = list(calls)
+        deadline = time.monotonic() + MIGRATION_TIMEOUT_S
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise JobFailed(f"the state transfer did not end within {MIGRATION_TIMEOUT_S:g} s")
+            try:
+                ray.get(done[0])
+            except RayError as exc:
+                why = f"{rank_of[done[0]]} failed: {_first_line(exc)}"
+                if rank_of[done[0]] != "sender":
+                    sender.abandon_transfer.remote(store, world, prefix, why)
+                ray.wait(pending, num_returns=len(pending), timeout=ABANDON_WAIT_S)
+                raise JobFailed(f"the state transfer failed: {why}") from exc
 
     def _discard_transfer(self, migration: str, attempt: int, workers: list[str]) -> dict[str, Any]:
         with self._lock:

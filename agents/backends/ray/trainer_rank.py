@@ -16,7 +16,7 @@ from runtime.engine.client import EngineClient
 from runtime.engine.weight_sync import DEFAULT_GROUP_NAME
 from runtime.rl.checkpoint import load_trainer_state, save_trainer_state
 from runtime.rl.grpo import Trajectory
-from runtime.rl.state_transfer import TransferRendezvous, state_checksums, transfer_state
+from runtime.rl.state_transfer import TransferRendezvous, abandon_transfer, state_checksums, transfer_state
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
 from runtime.rl.weight_push import WeightPusher, weight_update_backend
 
@@ -109,6 +109,10 @@ class TrainerRankWorker:
             "cursor": dict(report.cursor),
             "checksums": state_checksums(trainer),
         }
+
+    def abandon_transfer(self, store_address: str, world_size: int, prefix: str, why: str) -> None:
+        """Give up the transfer under ``prefix`` (its ranks still checking in raise at once)."""
+        abandon_transfer(self._store_at(store_address, world_size), prefix, why)
 
     def prepare(self, store_address: str, rank: int, world_size: int, generation: str) -> None:
         """Build the next generation's DP group beside the current one."""

@@ -129,6 +129,8 @@ def new_rank_dies(index: int, scratch: str, batches: list[list[Trajectory]]) -> 
             generation=trainer.generation,
         )
     else:
+        # A receiver's first steps, as transfer_state takes them: check in, join the group.
+        store.set("transfer-1/present/1", "1")
         group = create_data_parallel_group(_dp(store, 1, 2, "transfer-1"), torch.device("cpu"))
         size = torch.zeros(1, dtype=torch.int64)
         group.broadcast(size, 0).wait()

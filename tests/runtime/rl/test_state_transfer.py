@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,17 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from runtime.rl.grpo import Trajectory
-from runtime.rl.state_transfer import TransferRendezvous, state_checksums
+from runtime.rl.state_transfer import (
+    TransferFailed,
+    TransferRendezvous,
+    abandon_transfer,
+    state_checksums,
+    transfer_state,
+)
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainStepMetrics
 from tests.runtime.rl.batches import grpo_batch, trainer_config
 from tests.runtime.rl.migrating_ranks import BEFORE, MICRO_BATCH, grow, new_rank_dies, shrink
+from tests.services import wait_until
 
 torch.set_num_threads(1)
 
@@ -109,6 +117,38 @@ def test_a_new_rank_dying_mid_transfer_leaves_the_old_rank_training_as_if_nothin
     reference, reference_metrics = unmigrated()
     assert max_difference(old["weights"], reference) == 0.0
     assert [m.grpo for m in old["metrics"]] == [m.grpo for m in reference_metrics]
+
+
+def test_a_transfer_abandoned_before_a_receiver_arrives_frees_the_sender_at_once() -> None:
+    # The receiver died before it reached the transfer: whoever learns of it (the driver, from
+    # the receiver's failed call) abandons the transfer, and the sender, a rank of the running
+    # trainer, gives up with that reason instead of waiting out the rendezvous' timeout.
+    sender = Trainer(
+        trainer_config(len(BATCHES[0]), MICRO_BATCH),
+        DataParallelRendezvous(store=c10d.HashStore(), rank=0, world_size=1, generation="dp-0"),
+    )
+    sender.train_step(BATCHES[0])
+    untouched = state_checksums(sender)
+    store = c10d.HashStore()
+    rendezvous = TransferRendezvous(store, rank=0, world_size=2, prefix="transfer-m9-a1", timeout_s=3600.0)
+    outcome: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            transfer_state(sender, rendezvous, {"iteration": 1})
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert wait_until(lambda: store.check(["transfer-m9-a1/present/0"]), timeout_s=30)
+    abandon_transfer(store, "transfer-m9-a1", "actor-m9-w0 failed: its actor died")
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransferFailed)
+    assert str(outcome[0]) == "the transfer was abandoned: actor-m9-w0 failed: its actor died"
+    assert state_checksums(sender) == untouched
+    assert sender.train_step(BATCHES[1]).step == 2  # it trains on in its own group
 
 
 def test_a_transfer_needs_a_sender_and_a_receiver_and_a_standby_rank_cannot_train() -> None:
