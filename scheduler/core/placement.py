@@ -148,6 +148,10 @@ class GroupShape:
     valid_dp: tuple[int, ...]
     hardware: tuple[str, ...]
     split_gpus: int  # disaggregated: the spec's GPUs for this group
+    # Colocated, a group whose stages time-share the GPUs (rollout, inference, the trainer)
+    # spreads over as many as its limits allow; the others (reward, tools: workers that serve
+    # calls) keep their spec's count, on the first devices.
+    spreads: bool = True
 
 
 def relayout(
@@ -196,12 +200,15 @@ def relayout(
 
 def _time_shared_ranks(group: GroupShape, ordered: Sequence[Device]) -> tuple[int, ...]:
     """The global ranks a time-sharing group spans: its largest acceptable worker count of
-    whole workers within nodes, on the first nodes in rank order; every rank when none is
-    acceptable (``relayout`` then names the limit)."""
+    whole workers within nodes (at most its spec's count for a group that does not spread), on
+    the first nodes in rank order; every rank when none is acceptable (``relayout`` then names
+    the limit)."""
     per_node: dict[str, list[int]] = defaultdict(list)
     for rank, device in enumerate(ordered):
         per_node[device.node].append(rank)
     fitting = sum(len(ranks) // group.gpus_per_worker for ranks in per_node.values())
+    if not group.spreads:
+        fitting = min(fitting, group.split_gpus // group.gpus_per_worker)
     workers = largest_worker_count(
         fitting, min_workers=group.min_workers, max_workers=group.max_workers, valid_dp=group.valid_dp
     )

@@ -39,8 +39,10 @@ from jobs.admission import DevicesTaken, allocate_workers
 from jobs.models import LIVE_WORKER_STATES, Job, JobReason, JobState, Worker, WorkerGroup, WorkerState
 from jobs.placement import core_devices
 from jobs.states import transition
+from scheduler.core.hypergraph import ComponentKind
 from scheduler.core.placement import GroupShape, PlacementFailure, relayout
 from scheduler.core.policies.base import Placement, PlacementChange
+from scheduler.core.policies.replan import GPU_KINDS
 from scheduler.models import OPEN_PLACEMENT_CHANGE_STATES, PlacementChangeState
 from scheduler.models import PlacementChange as PlacementChangeRow
 
@@ -232,6 +234,7 @@ def _shapes(groups: Iterable[WorkerGroup]) -> list[GroupShape]:
             valid_dp=tuple(int(n) for n in g.valid_dp),
             hardware=tuple(g.hardware),
             split_gpus=g.initial_workers * g.gpus_per_worker,
+            spreads=ComponentKind(g.kind) in GPU_KINDS,
         )
         for g in groups
     ]

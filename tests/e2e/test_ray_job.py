@@ -13,7 +13,9 @@ import ray
 from agents.backends.ray import driver as job_driver
 from agents.backends.ray.actors import actor_name
 from agents.backends.ray.connection import connect
+from common.models import AuditEvent
 from jobs.models import Job, JobState, Worker
+from scheduler.models import PlacementChange, PlacementChangeState
 from tests.e2e.helpers import (
     REAL_JOB_ITERATIONS,
     real_job,
@@ -118,8 +120,18 @@ def test_an_agentic_job_calls_its_tool_workers_turn_by_turn_and_succeeds(
         assert agentic["affinity_hits"] + agentic["affinity_steals"] == follow_ups
         assert agentic["cached_tokens"] > agentic["reprefilled_tokens"]
         assert metrics["tokens_trained"] < metrics["tokens_generated"]  # tool answers are not trained
-    tools = Worker.objects.get(group__job=job, group__name="tools")
-    assert tools.started_at is not None  # a real worker, started by its node's agent
+    # One optimizer step per iteration, unbroken whatever dynarl did at the boundaries (a
+    # re-placement included: the trainer resumes from its kept state).
+    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(4)]
+    # dynarl re-planned live from what the real iterations measured: its reasoning at the
+    # boundaries is in the audit trail, and any placement change it made went through.
+    replans = list(AuditEvent.objects.filter(job=job, verb="replan").values_list("reason", flat=True))
+    assert any("rollout body" in reason for reason in replans), replans
+    changes = PlacementChange.objects.filter(job=job)
+    assert all(c.state == PlacementChangeState.DONE for c in changes), [(c.state, c.error) for c in changes]
+    # Real tool workers, started by their nodes' agents (new ones after a re-placement).
+    tools = Worker.objects.filter(group__job=job, group__name="tools")
+    assert tools.exists() and all(w.started_at is not None for w in tools)
     wait_released(live_stack, job)
     assert wait_until(lambda: nothing_left(ray_cluster, job), timeout_s=60), ray.util.list_named_actors()
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 from scheduler.core.hypergraph import Device
 from scheduler.core.placement import GroupRequest, GroupShape, PlacementFailure, fits_in, place, relayout
 
@@ -148,6 +150,25 @@ def test_a_colocated_relayout_keeps_each_group_within_its_limits_on_as_many_devi
     )
     assert not isinstance(odd, PlacementFailure)
     assert len(odd["rollout"]) == 3 and all(len({d.node for d in w}) == 1 for w in odd["rollout"])
+    # The reward's and the tools' workers serve calls: they keep their count, time-sharing the
+    # first devices, where the stages spread over all of them.
+    served = relayout(
+        [
+            shape("rollout", 5),
+            replace(shape("reward", 1), spreads=False),
+            replace(shape("tools", 2), spreads=False),
+            shape("actor", 2),
+        ],
+        devices,
+        time_shared=True,
+    )
+    assert not isinstance(served, PlacementFailure)
+    assert {group: len(workers) for group, workers in served.items()} == {
+        "rollout": 8,
+        "reward": 1,
+        "tools": 2,
+        "actor": 8,
+    }
 
 
 def test_a_relayout_respects_the_operators_limits_and_names_the_group() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -461,6 +461,11 @@ class RayBackend:
         ray.get([h.usage.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
         return handles
 
+    def _holds_any(self, workers: Iterable[str]) -> bool:
+        """Whether any of ``workers`` is still this node's (not stopped on purpose)."""
+        with self._lock:
+            return any(name in self._payloads for name in workers)
+
     def _forget(self, worker: str) -> None:
         """Drop a worker from this node's books before its actor is killed: a telemetry pass
         asking it meanwhile must not take a worker stopped on purpose for one that died."""
@@ -617,19 +622,26 @@ class RayBackend:
         )
 
     def _job_entries(self, payloads: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-        by_job: dict[int, list[Mapping[str, Any]]] = {}
+        by_job: dict[int, dict[str, Mapping[str, Any]]] = {}
         for name, payload in payloads.items():
             job = job_of(name)
             if job is not None:
-                by_job.setdefault(job, []).append(payload)
+                by_job.setdefault(job, {})[name] = payload
         with self._lock:
             lost = dict(self._lost)
         entries = []
         # A job whose workers here are all gone is still reported: its failure must reach the
         # control plane.
         for job in sorted(set(by_job) | set(lost)):
-            mine = by_job.get(job, [])
+            mine = list(by_job.get(job, {}).values())
             progress = job_driver.driver_progress(job) if mine else None
+            if progress is not None and progress.get("failure") and not self._holds_any(by_job.get(job, {})):
+                # Its workers here were stopped on purpose since the readings were taken (the job
+                # placed anew, or ended), and its driver went with the last of them: that is no
+                # failure of the job's.
+                if job not in lost:
+                    continue
+                progress = None
             entry = job_driver.progress_entry(job, progress, mine)
             if job in lost:
                 entry["failure"] = lost[job]
