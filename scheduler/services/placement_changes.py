@@ -31,6 +31,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from cluster.models import Device, DeviceStatus, NodeStatus, end_reservations
+from cluster.selectors import stop_reports
 from common import audit, events
 from common.audit import Actor
 from jobs import agent_commands
@@ -182,7 +183,17 @@ def _launch(job: Job, change: PlacementChangeRow) -> bool:
     change.new_workers = [w.name for w in launches]
     change.save(update_fields=["state", "launched_at", "new_workers"])
     agent_commands.queue_launch(launches, job_spec=job.spec)
-    audit.record(Actor.scheduler(), "placement_change.launching", change, job=job, reason=change.detail)
+    # What the nodes said as they stopped the old layout (on Ray: whether the trainer's state was
+    # kept for the new one to resume from) is kept with the change's trail.
+    stopped = stop_reports(job.pk, redo_from_iteration=change.iteration, since=change.created_at)
+    audit.record(
+        Actor.scheduler(),
+        "placement_change.launching",
+        change,
+        job=job,
+        reason=change.detail,
+        payload={"stop_reports": stopped},
+    )
     _publish(change)
     return True
 

@@ -132,6 +132,9 @@ def test_a_job_is_placed_colocated_on_its_own_devices_and_no_other_job_takes_the
         ("placement_change.launching",),
         ("placement_change.done",),
     ]
+    # What each node said as it stopped the old layout is kept with the trail.
+    launching = AuditEvent.objects.get(job=job, verb="placement_change.launching")
+    assert launching.payload["stop_reports"] == {"node-a": {}, "node-b": {}}
     waiting.refresh_from_db()
     assert waiting.state == JobState.PENDING  # the cluster is full: nothing was freed
 

@@ -14,6 +14,7 @@ from django.db import transaction
 
 from cluster.models import AgentCommand
 from common.audit import Actor
+from common.models import AuditEvent
 from jobs.models import Job, JobState
 from scheduler.core.policies.base import Placement
 from scheduler.core.policies.replan import PlacementChoice
@@ -67,6 +68,11 @@ def test_a_real_job_placed_anew_mid_way_resumes_its_trainer_and_succeeds(
     stops = AgentCommand.objects.filter(kind="stop_workers", payload__redo_from_iteration=redone)
     outcomes = [c.result["result"]["trainer_state"][str(job.pk)] for c in stops]
     assert outcomes and all(o["kept"] and o["iteration"] == redone - 1 for o in outcomes), outcomes
+    # The change's audit trail says so too, node by node.
+    launching = AuditEvent.objects.get(job=job, verb="placement_change.launching")
+    reports = launching.payload["stop_reports"]
+    assert set(reports) == {c.node.name for c in stops}
+    assert all(r["trainer_state"][str(job.pk)]["kept"] for r in reports.values()), reports
 
     status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
     assert status == 200, results

@@ -284,6 +284,12 @@ def test_colocated_is_predicted_with_the_trainer_on_the_gpus_its_valid_sizes_all
     sized = replace(job(parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16))), iteration=1)
     assert limited._replan(sized, last) is None
     assert "disaggregated stays" in limited.replan_note
+    # An operator who knows the engines and the trainer cannot share a GPU's memory turns
+    # colocated off: the job stays disaggregated, and the boundary says why.
+    kept = policy_with(colocate=False)
+    kept.replanner.learn(last)
+    assert kept._replan(everywhere, last) is None
+    assert "disaggregated stays: colocated placement is off (policy.params.colocate)" in kept.replan_note
 
 
 # -- do no harm, per kind of move --------------------------------------------------------------

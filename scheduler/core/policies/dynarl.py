@@ -141,6 +141,7 @@ class DynaRLPolicy(BasePolicy):
     | `rebalance_gain_ratio` | 0.2 | predicted job throughput gain needed to take workers from a group that is not idle (0: never) |
     | `kv_share_prior` | 0.3 | share of a decode step that grows with the running sequences, until the job's own rollout resizes measure it |
     | `replan` | True | re-plan the placement and the base split at iteration boundaries from what the job measured |
+    | `colocate` | True | whether a re-plan may switch the job to colocated (off where engines and trainer cannot share a GPU's memory) |
     | `replan_margin` | 0.1 | share of an iteration the other placement (switch included) or a shifted split must save |
     | `probation_iterations` | 5 | iterations a kind of move that lost time is not made, before one fresh trial |
     """
@@ -197,6 +198,12 @@ class DynaRLPolicy(BasePolicy):
             True,
             "at iteration boundaries, switch between disaggregated and colocated placement when "
             "the job's measurements predict the other is faster",
+        ),
+        ParamSpec(
+            "colocate",
+            True,
+            "whether a re-plan may switch the job to time-sharing every GPU (colocated); off where "
+            "the engines and the trainer cannot share a GPU's memory",
         ),
         ParamSpec(
             "replan_margin",
@@ -488,7 +495,11 @@ class DynaRLPolicy(BasePolicy):
         rollout_gpus = self._rollout_base or max(1, round(0.75 * total))
         # Time-sharing runs the stages in turn: a job generating ahead of its trainer
         # (asynchronous RL) would lose its overlap, so it stays disaggregated.
-        allow = self.memory.batches_ahead(graph.iteration) == 0
+        held = ""
+        if self.memory.batches_ahead(graph.iteration) > 0:
+            held = "the job generates ahead"
+        elif not self.param_bool("colocate"):
+            held = "colocated placement is off (policy.params.colocate)"
         trainers = graph.by_kind(ComponentKind.ACTOR)
         trainer_gpus = sum(n.gpus for n in trainers)
         # Colocated, the trainer spans the largest of its valid sizes that fits on the job's GPUs
@@ -499,7 +510,8 @@ class DynaRLPolicy(BasePolicy):
             self.mode,
             rollout_gpus,
             trainer_gpus,
-            allow_colocated=allow,
+            allow_colocated=not held,
+            held_because=held,
             colocated_trainer_gpus=colocated_trainer_gpus,
         )
         if choice is None:

@@ -408,9 +408,11 @@ class Replanner:
         trainer_gpus: int,
         *,
         allow_colocated: bool,
+        held_because: str = "the job generates ahead",
         colocated_trainer_gpus: int | None = None,
     ) -> PlacementChoice | None:
-        """The placement for the next iteration, or None with nothing measured yet.
+        """The placement for the next iteration, or None with nothing measured yet. Without
+        ``allow_colocated`` a disaggregated job stays so, ``held_because`` says why.
         ``colocated_trainer_gpus``: the GPUs the trainer spans when colocated, where its valid
         sizes stop short of all the job's GPUs (None: all of them)."""
         record = self.last
@@ -429,9 +431,7 @@ class Replanner:
             f"{record.pipeline_gpu_s:.0f} GPU-s; {other} predicted {move:.0f}s ({basis})"
         )
         if other is Placement.COLOCATED and not allow_colocated:
-            return PlacementChoice(
-                current, predicted, 0.0, f"{summary}; {current} stays: the job generates ahead"
-            )
+            return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: {held_because}")
         # The saving must clear the margin (the prediction's noise) and pay the one-off switch
         # back within PAYBACK_ITERATIONS iterations.
         saving = stay - move
