@@ -80,8 +80,10 @@ def test_an_agent_down_while_a_migration_commits_reconciles_when_it_returns(live
         agent.start()
     for agent in down:
         agent.wait_registered()
-    log = "\n".join(agent.log_text() for agent in down)
-    assert "reconcile: launching" in log
+    # The reconcile is logged as the agent comes back; its log may trail the registration.
+    assert wait_until(
+        lambda: "reconcile: launching" in "\n".join(agent.log_text() for agent in down), timeout_s=30
+    ), "\n".join(agent.log_text() for agent in down)
     expected_there = set(
         Worker.objects.filter(
             group__job=job, state=WorkerState.RUNNING, devices__node__name__in=destroy_old.nodes
