@@ -252,7 +252,7 @@ class RayBackend:
             outcome: dict[str, Any] = ray.get(
                 handle.keep_state.remote(redo_from_iteration), timeout=KEEP_STATE_WAIT_S
             )
-        except (RayError, GetTimeoutError) as exc:
+        except RayError as exc:  # GetTimeoutError included
             outcome = {
                 "kept": False,
                 "why": f"the job's driver did not keep it: {str(exc).splitlines()[0][:300]}",
@@ -633,9 +633,10 @@ class RayBackend:
         # A job whose workers here are all gone is still reported: its failure must reach the
         # control plane.
         for job in sorted(set(by_job) | set(lost)):
-            mine = list(by_job.get(job, {}).values())
+            held = by_job.get(job, {})
+            mine = list(held.values())
             progress = job_driver.driver_progress(job) if mine else None
-            if progress is not None and progress.get("failure") and not self._holds_any(by_job.get(job, {})):
+            if progress is not None and progress.get("failure") and not self._holds_any(held):
                 # Its workers here were stopped on purpose since the readings were taken (the job
                 # placed anew, or ended), and its driver went with the last of them: that is no
                 # failure of the job's.

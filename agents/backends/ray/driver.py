@@ -432,8 +432,7 @@ class JobDriver:
         self._results: list[dict[str, Any]] = []
         self._failure: str | None = None
         self._trained_version: str | None = None  # the trainer's weight version after _trained
-        self._kept: dict[int, dict[str, Any]] = {}  # keep_state's outcome, by the iteration redone
-        self._keep_lock = threading.Lock()
+        self._kept = OncePerKey()  # keep_state's outcome, by the iteration redone
         self._workers: dict[str, Any] = {}  # member worker -> its actor, once found
         # The trainer as the loop drives it, its ranks' workers in rank order, and the rollout
         # engines' URLs (a new rank 0 opens the weight push to them): set up by the loop.
@@ -526,11 +525,7 @@ class JobDriver:
         node asks before it stops its workers; the first call does the work, the others get its
         outcome. Returns ``kept`` and, when nothing was kept, why: the new driver then refuses
         to resume rather than start over from the warm start."""
-        with self._keep_lock:
-            if redo_from_iteration not in self._kept:
-                self.shutdown()
-                self._kept[redo_from_iteration] = self._keep(redo_from_iteration)
-            return self._kept[redo_from_iteration]
+        return self._kept.run(redo_from_iteration, lambda: self._keep(redo_from_iteration), failures=())
 
     def state_path(self) -> Path:
         """Where the job's trainer state is kept across a re-placement (on storage every node of
@@ -538,6 +533,7 @@ class JobDriver:
         return self.checkpoint_dir / f"job-{self.job_id}" / "trainer-state.pt"
 
     def _keep(self, redo_from_iteration: int) -> dict[str, Any]:
+        self.shutdown()
         trained = redo_from_iteration - 1
         if trained < 0:
             self.state_path().unlink(missing_ok=True)
