@@ -80,6 +80,8 @@ class PolicyRun:
     # One per migration: strategy, state, wall s, and for a p2p side the seconds the trainer was
     # held (its transfer_state's start to its switch's end: no train step runs between).
     migrations: list[dict[str, Any]] = field(default_factory=list)
+    # The policy's reasoning at each iteration boundary (its `replan` audit events), in order.
+    replans: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,7 @@ def run_policy(
 
     from cluster.models import Node, NodeStatus
     from common.audit import Actor
+    from common.models import AuditEvent
     from jobs.models import IterationResult, Worker, WorkerState
     from jobs.services import submit_job
     from scheduler.models import Migration, SchedulingDecision
@@ -301,6 +304,11 @@ def run_policy(
                     held[segment.kind] = held.get(segment.kind, 0.0) + (end - begin).total_seconds()
         migrations = [migration_row(m) for m in Migration.objects.filter(job=job).prefetch_related("steps")]
         decisions = SchedulingDecision.objects.filter(job=job).count()
+        replans = list(
+            AuditEvent.objects.filter(job=job, verb="replan")
+            .order_by("at", "id")
+            .values_list("reason", flat=True)
+        )
         lengths: Counter[int] = Counter()
         for result in results:
             for bucket, count in result["response_length"]["histogram"]:
@@ -316,6 +324,7 @@ def run_policy(
             lengths=lengths,
             migrations=migrations,
             decisions=decisions,
+            replans=replans,
         )
     finally:
         for proc in agents:
@@ -401,6 +410,10 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
                 f"| {run.policy} | {run.decisions} | {strategy} | {states.get('committed', 0)} | "
                 f"{states.get('rolled_back', 0)} | {states.get('failed', 0)} | {wall} | {paused} |"
             )
+    for run in runs:
+        if run.replans:
+            lines += ["", f"{run.policy} at its iteration boundaries:"]
+            lines += [f"- {reason}" for reason in run.replans]
     lines += [
         "",
         "Device time by component: GPU-s held (from the job's ownership timeline: moves included), "

@@ -120,6 +120,26 @@ def test_a_ledger_that_saw_too_little_of_an_iteration_records_nothing() -> None:
     assert ledger.sums["rollout_body_s"] == 1.0
 
 
+def test_the_ledger_counts_the_boundary_as_idle_and_not_a_re_placement_at_all() -> None:
+    ledger = IterationLedger(low_fraction_threshold=0.5, u_low=0.2)
+    tick(ledger, 0.0, idle=0, in_flight=40, actor_utilisation=0.0)
+    for t in (1.0, 2.0, 3.0):  # generating: never idle, whatever the trainer does
+        tick(ledger, t, idle=0, in_flight=40, actor_utilisation=0.0)
+    tick(ledger, 4.0, idle=4, in_flight=0, actor_utilisation=0.9)  # training
+    for t in (5.0, 6.0):  # the boundary: nothing generating, the trainer done
+        tick(ledger, t, idle=4, in_flight=0, actor_utilisation=0.1)
+    assert ledger.sums["idle_s"] == 2.0
+    # The job is laid out anew at the boundary: the 40 s until the next tick in the new layout
+    # are the switch's, and the iteration's clock starts there.
+    ledger.hold()
+    tick(ledger, 46.0, idle=0, in_flight=40, actor_utilisation=0.0)
+    assert ledger.take_switch_s() == 40.0 and ledger.take_switch_s() is None
+    for t in (47.0, 48.0, 49.0):
+        tick(ledger, t, idle=0, in_flight=40, actor_utilisation=0.0)
+    closed = ledger.close(49.0, total_gpus=6, placement=Placement.COLOCATED)
+    assert closed is not None and closed.duration_s == 3.0 and closed.rollout_body_s == 6.0
+
+
 def test_a_job_is_time_shared_when_every_gpu_group_sits_on_the_widest_ones_devices() -> None:
     everywhere = make_graph(
         make_group("rollout", ROLLOUT, 8, first_device=0), make_group("actor", ACTOR, 8, first_device=0)
@@ -179,6 +199,53 @@ def test_a_switch_is_made_when_a_few_iterations_of_saving_pay_for_it_and_not_soo
         assert saving > TRIAL_MARGIN_PRIOR * (colocated + saving) and saving < switch
         # Three iterations of saving pay for the switch: it is made; less, it is not.
         assert choice is not None and (choice.placement is Placement.COLOCATED) is switches, choice.detail
+
+
+def test_an_iteration_that_is_mostly_its_boundary_is_not_switched_for_its_short_rollout() -> None:
+    # A small real job: 8 GPUs, a 2 s rollout body on 5 of them, little trainer work, and 4 s of
+    # the 6 s iteration spent at the boundary (weights pushed, results reported). More engines
+    # shorten only the rollout's body; the boundary stays what it was.
+    small: dict[str, Any] = {
+        "total_gpus": 8,
+        "rollout_body_s": 2.0,
+        "rollout_body_gpu_s": 10.0,
+        "pipeline_gpu_s": 0.5,
+        "pipeline_overlap_gpu_s": 0.0,
+        "tokens": 0.0,
+    }
+    model = PlacementModel(COST, n_minibatches=8)
+    busy = record(Placement.DISAGGREGATED, 6.0, **small)
+    at_boundary = record(Placement.DISAGGREGATED, 6.0, idle_s=4.0, **small)
+    assert model.colocated_s(at_boundary) == model.colocated_s(busy) + 4.0
+    assert model.disaggregated_s(at_boundary, 5) == model.disaggregated_s(busy, 5) + 4.0
+    plan = replanner()
+    plan.learn(at_boundary)
+    choice = plan.choose(Placement.DISAGGREGATED, 5, 1, allow_colocated=True)
+    assert choice is not None and choice.placement is Placement.DISAGGREGATED, choice.detail
+
+
+def test_placements_measured_without_trainer_throughput_are_compared_by_their_durations() -> None:
+    plan = replanner()
+    plan.learn(record(Placement.DISAGGREGATED, 60.0, tokens=0.0))
+    plan.learn(record(Placement.COLOCATED, 90.0, tokens=0.0, iteration=1))
+    back = plan.choose(Placement.COLOCATED, 48, 64, allow_colocated=True)
+    assert back is not None and back.placement is Placement.DISAGGREGATED
+    assert back.predicted_s[Placement.DISAGGREGATED] == 60.0 and "measured throughput" in back.detail
+
+
+def test_a_switch_measured_slow_on_this_job_is_priced_as_measured() -> None:
+    no_tail = record(Placement.DISAGGREGATED, 95.0)
+    plan = replanner()
+    plan.learn(no_tail)
+    before = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
+    assert before is not None and before.placement is Placement.COLOCATED
+    saving = before.predicted_s[Placement.DISAGGREGATED] - before.predicted_s[Placement.COLOCATED]
+    # Workers that take minutes to start: three iterations of that saving no longer pay it back.
+    plan.learn_switch(4 * saving)
+    plan.learn_switch(1.0)  # a quicker one later does not make the next look cheap
+    after = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
+    assert after is not None and after.placement is Placement.DISAGGREGATED
+    assert "as measured on this job" in after.detail and "does not pay" in after.detail
 
 
 def test_a_slow_control_plane_makes_switches_dearer_but_not_the_stage_swaps_inside_the_job() -> None:

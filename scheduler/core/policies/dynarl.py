@@ -223,7 +223,7 @@ class DynaRLPolicy(BasePolicy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.mode = Placement.DISAGGREGATED  # the placement the job runs now (the spec's, at first)
-        self.ledger = IterationLedger(self.param_float("low_fraction_threshold"))
+        self.ledger = IterationLedger(self.param_float("low_fraction_threshold"), self.param_float("u_low"))
         self.replanner = Replanner(
             PlacementModel(self.cost_model, self.param_int("n_minibatches")),
             self.param_float("replan_margin"),
@@ -305,6 +305,8 @@ class DynaRLPolicy(BasePolicy):
         self._sync(graph, now, free_devices)
         self._iteration = graph.iteration
         self.ledger.observe(graph, signals, now)
+        if (switched_s := self.ledger.take_switch_s()) is not None:
+            self.replanner.learn_switch(switched_s)
         if time_shared(graph):
             self.mode = Placement.COLOCATED  # the job was placed colocated (its spec, or a switch)
         self._idle_note = ""
@@ -667,6 +669,7 @@ class DynaRLPolicy(BasePolicy):
         choice, self._placement_choice = self._placement_choice, None
         if choice is not None:
             self.mode = choice.placement
+            self.ledger.hold()
             # Back to disaggregated, the caller places the job by ``plan_initial_split`` again.
             self._rollout_base = None
         return choice
@@ -679,6 +682,7 @@ class DynaRLPolicy(BasePolicy):
         """The caller could not carry out ``choice``: the job stays as it was."""
         self.loans.loans.extend(self._loans_before_change)
         self._loans_before_change = []
+        self.ledger.held = False
         self.mode = (
             Placement.DISAGGREGATED if choice.placement is Placement.COLOCATED else Placement.COLOCATED
         )

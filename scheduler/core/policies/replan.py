@@ -17,18 +17,23 @@ What an iteration is made of (``IterationRecord``):
   its GPUs already lent away, while the last requests decode. It does not shrink with more GPUs: a straggler decodes one token per
   step whatever the engine count;
 - the **pipeline**: GPU-seconds the log-prob and trainer groups were busy (their utilisation
-  times their GPUs), and how much of it overlapped the rollout.
+  times their GPUs), and how much of it overlapped the rollout;
+- the **idle** time: the rollout had nothing to generate and the pipeline groups were mostly
+  idle (the boundary itself: weights pushed and checked, results reported, the next iteration
+  opened). No placement shortens it, so every prediction carries it as measured.
 
 Colocated runs the stages in turn on all ``N`` GPUs: body/N + tail + pipeline/N + two stage
 switches. Disaggregated overlaps: the body on the rollout's base GPUs, the tail with the drained
 GPUs lent to the pipeline, then what is left of the pipeline on all GPUs.
 
-Neither formula is exact, so each placement carries a **correction** learned from the job
-itself: measured duration over the model's value for the iteration that ran in it (smoothed).
-A placement never tried keeps a correction of 1; one that turned out slower than predicted is
-predicted slower from then on. That is the no-harm rule at this level: a wrong guess costs one
-iteration, and the measurement it leaves stops it from being made again while the job stays as
-it is. The margin (``replan_margin``) keeps small predicted gains from flapping the placement.
+Neither formula is exact. A placement the job has run under is predicted from what it measured
+there (while the job's shape stays as it was); one never tried must beat the current one by the
+model's own measured error on this job's last crossing. That is the no-harm rule at this level:
+a wrong guess costs one iteration, and the measurement it leaves stops it from being made again
+while the job stays as it is. The margin (``replan_margin``) keeps small predicted gains from
+flapping the placement. A switch's one-off cost is the cost model's estimate until the job has
+switched once; from then on, no less than what the switch measured (the time from the boundary
+to the first tick in the new layout, which is not charged to the iteration that follows).
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class IterationRecord:
     pipeline_gpu_s: float  # busy GPU-seconds of the log-prob and trainer groups
     pipeline_overlap_gpu_s: float  # the part done while the rollout still generated
     tokens: float  # what the trainer trained (its tokens/s over the iteration)
+    idle_s: float = 0.0  # nothing generating and the pipeline mostly idle (the boundary itself)
 
     @property
     def rollout_s(self) -> float:
@@ -96,7 +102,8 @@ class IterationRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> IterationRecord:
-        values: dict[str, Any] = {f.name: data[f.name] for f in fields(cls)}
+        # A field added since the state was written keeps its default.
+        values: dict[str, Any] = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         values["placement"] = Placement(values["placement"])
         return cls(**values)
 
@@ -107,13 +114,20 @@ class IterationLedger:
     A tick's interval (since the previous one) is charged to what that tick sees: the rollout in
     its body (has requests, most engines busy) or its tail (has requests, more than
     ``low_fraction_threshold`` of its engines under ``u_low``), and the pipeline groups' busy
-    GPU-seconds (utilisation times GPUs)."""
+    GPU-seconds (utilisation times GPUs). A tick with nothing generating and the pipeline busy
+    on less than ``u_low`` of its GPUs is idle time.
 
-    def __init__(self, low_fraction_threshold: float) -> None:
+    While the job is laid out anew (``hold``), nothing is charged: the first tick in the new
+    layout measures the switch (``switch_s``) and the iteration's clock starts again there."""
+
+    def __init__(self, low_fraction_threshold: float, u_low: float = 0.2) -> None:
         self.threshold = low_fraction_threshold
+        self.u_low = u_low
         self.iteration: int | None = None
         self.started_at = 0.0
         self.last_at: float | None = None
+        self.held = False
+        self.switch_s: float | None = None  # the last switch's measured seconds, until taken
         self._clear()
 
     def _clear(self) -> None:
@@ -128,7 +142,23 @@ class IterationLedger:
         self.last_at = now
         self._clear()
 
+    def hold(self) -> None:
+        """The job is about to be laid out anew: charge nothing until the next observation."""
+        self.held = True
+
+    def take_switch_s(self) -> float | None:
+        seconds, self.switch_s = self.switch_s, None
+        return seconds
+
     def observe(self, graph: Hypergraph, signals: Mapping[str, GroupSignals], now: float) -> None:
+        if self.held:
+            self.held = False
+            if self.last_at is not None and now > self.last_at:
+                self.switch_s = now - self.last_at
+            if self.iteration == graph.iteration:
+                self.started_at = now
+                self.last_at = now
+                return
         if self.iteration != graph.iteration:
             self.start(graph.iteration, now)
             return
@@ -162,6 +192,8 @@ class IterationLedger:
             phase = "tail" if drained else "body"
             self.sums[f"rollout_{phase}_s"] += dt
             self.sums[f"rollout_{phase}_gpu_s"] += rollout_gpus * dt
+        pipeline_busy_gpus = 0.0
+        pipeline_gpus = 0
         for kind in (ComponentKind.INFERENCE, ComponentKind.ACTOR):
             for node in graph.by_kind(kind):
                 sig = signals.get(node.id)
@@ -169,10 +201,14 @@ class IterationLedger:
                     continue
                 if kind is ComponentKind.ACTOR:
                     self.sums["tokens"] += sig.tokens_per_s * dt
+                pipeline_gpus += node.gpus
+                pipeline_busy_gpus += node.gpus * sig.utilisation_mean
                 busy = node.gpus * sig.utilisation_mean * dt
                 self.sums["pipeline_gpu_s"] += busy
                 if generating:
                     self.sums["pipeline_overlap_gpu_s"] += busy
+        if not generating and pipeline_busy_gpus <= self.u_low * pipeline_gpus:
+            self.sums["idle_s"] += dt
 
     def close(self, now: float, total_gpus: int, placement: Placement) -> IterationRecord | None:
         """The record of the iteration ending at ``now``, run under ``placement``; None when too
@@ -196,6 +232,8 @@ class IterationLedger:
             "sums": dict(self.sums),
             "rollout_gpus_max": self.rollout_gpus_max,
             "job_gpus_max": self.job_gpus_max,
+            "held": self.held,
+            "switch_s": self.switch_s,
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -207,6 +245,9 @@ class IterationLedger:
         self.ticks = int(data.get("ticks", 0))
         self.rollout_gpus_max = int(data.get("rollout_gpus_max", 0))
         self.job_gpus_max = int(data.get("job_gpus_max", 0))
+        self.held = bool(data.get("held", False))
+        switch = data.get("switch_s")
+        self.switch_s = None if switch is None else float(switch)
         self.sums = {name: float(data.get("sums", {}).get(name, 0.0)) for name in _SUMS}
 
 
@@ -218,6 +259,7 @@ _SUMS = (
     "pipeline_gpu_s",
     "pipeline_overlap_gpu_s",
     "tokens",
+    "idle_s",
 )
 
 
@@ -265,7 +307,7 @@ class PlacementModel:
         n = max(1, record.total_gpus)
         spread = n if pipeline_gpus is None else min(n, max(1, pipeline_gpus))
         rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, record.rollout_s)
-        return rollout + record.pipeline_gpu_s / spread + self.stage_switches_s(n)
+        return rollout + record.pipeline_gpu_s / spread + self.stage_switches_s(n) + record.idle_s
 
     def disaggregated_s(self, record: IterationRecord, rollout_gpus: int) -> float:
         """The rollout's body on its ``rollout_gpus``, its tail on the engines that keep the
@@ -288,7 +330,7 @@ class PlacementModel:
         left = max(0.0, record.pipeline_gpu_s - during_body - tail_capacity)
         last_minibatch = record.pipeline_gpu_s / max(1, self.n_minibatches) / n
         after = max(last_minibatch, left / n + (lend_s if left > 0 and tail <= lend_s else 0.0))
-        return body + tail + after
+        return body + tail + after + record.idle_s
 
     @staticmethod
     def _overlap_in_body(record: IterationRecord, pipeline_gpus: int, body_s: float) -> float:
@@ -368,6 +410,7 @@ class Replanner:
         self.last: IterationRecord | None = None
         self.trial_margins: dict[Placement, float] = {}
         self.trial: tuple[Placement, float] | None = None  # a crossing, and the seconds it predicted
+        self.switch_measured_s: float | None = None  # the longest switch this job measured
 
     def trial_margin(self, placement: Placement) -> float:
         return self.trial_margins.get(placement, TRIAL_MARGIN_PRIOR)
@@ -385,6 +428,9 @@ class Replanner:
         self.records[record.placement] = record
         self.last = record
 
+    def learn_switch(self, seconds: float) -> None:
+        self.switch_measured_s = max(seconds, self.switch_measured_s or 0.0)
+
     def predicted_s(
         self, placement: Placement, rollout_gpus: int, colocated_trainer_gpus: int | None = None
     ) -> tuple[float, bool]:
@@ -397,8 +443,12 @@ class Replanner:
         seen = self.records.get(placement)
         since = self.first.get(last.placement)
         unchanged = since is not None and abs(last.tail_share - since.tail_share) <= SHAPE_CHANGE
-        if seen is not None and unchanged and seen.tokens > 0 and last.tokens > 0:
-            return seen.duration_s * last.tokens / seen.tokens, True
+        if seen is not None and unchanged:
+            if seen.tokens > 0 and last.tokens > 0:
+                return seen.duration_s * last.tokens / seen.tokens, True
+            # No trainer throughput measured (signals too coarse for the iteration): the batch
+            # is the same, so the measured duration itself.
+            return seen.duration_s, True
         return self.model.predict_s(last, placement, rollout_gpus, colocated_trainer_gpus), False
 
     def choose(
@@ -423,6 +473,9 @@ class Replanner:
         move, measured = self.predicted_s(other, rollout_gpus, colocated_trainer_gpus)
         predicted = {current: stay, other: move}
         switch = self.model.switch_s(other, record.total_gpus, trainer_gpus, colocated_trainer_gpus)
+        switch_basis = ""
+        if self.switch_measured_s is not None and self.switch_measured_s > switch:
+            switch, switch_basis = self.switch_measured_s, " (as measured on this job)"
         margin = self.margin if measured else max(self.margin, self.trial_margin(other))
         basis = "its measured throughput on this job" if measured else "modelled from this iteration"
         summary = (
@@ -442,12 +495,16 @@ class Replanner:
                 other,
                 predicted,
                 switch,
-                f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch "
-                f"(needs {margin:.0%})",
+                f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch"
+                f"{switch_basis} (needs {margin:.0%})",
             )
-        return PlacementChoice(
-            current, predicted, 0.0, f"{summary}: {current} stays (a switch needs {margin:.0%})"
-        )
+        why = f"a switch needs {margin:.0%}"
+        if saving > margin * stay:
+            why = (
+                f"saving {saving:.0f}s an iteration does not pay a {switch:.1f}s switch{switch_basis} "
+                f"back within {PAYBACK_ITERATIONS} iterations"
+            )
+        return PlacementChoice(current, predicted, 0.0, f"{summary}: {current} stays ({why})")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -456,6 +513,7 @@ class Replanner:
             "last": self.last.to_json() if self.last is not None else None,
             "trial_margins": {mode.value: value for mode, value in self.trial_margins.items()},
             "trial": [self.trial[0].value, self.trial[1]] if self.trial is not None else None,
+            "switch_measured_s": self.switch_measured_s,
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -468,6 +526,8 @@ class Replanner:
         self.trial_margins = {Placement(k): float(v) for k, v in data.get("trial_margins", {}).items()}
         trial = data.get("trial")
         self.trial = (Placement(trial[0]), float(trial[1])) if trial else None
+        switch = data.get("switch_measured_s")
+        self.switch_measured_s = None if switch is None else float(switch)
 
 
 def work(record: IterationRecord) -> float:
