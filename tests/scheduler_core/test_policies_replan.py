@@ -335,6 +335,16 @@ def test_the_live_policy_records_a_placement_it_cannot_switch_to() -> None:
     assert "not carried out" in policy.replan_note and "colocated saves" in policy.replan_note
 
 
+def test_a_boundary_after_an_iteration_too_short_to_measure_says_so_rather_than_repeat_the_last() -> None:
+    policy = policy_with()
+    policy.replanner.learn(record(Placement.DISAGGREGATED, 95.0))
+    policy.last_replan = "iteration 0 (disaggregated) took 95s: disaggregated stays"
+    policy.ledger.start(3, 0.0)  # iteration 3 ended before the ticks saw its rollout generate
+    assert policy.on_iteration_end(job(), 2.0) == []
+    assert policy.replan_note.startswith("iteration 3: too little of it seen"), policy.replan_note
+    assert policy.mode is Placement.DISAGGREGATED
+
+
 def test_colocated_is_predicted_with_the_trainer_on_the_gpus_its_valid_sizes_allow() -> None:
     model = PlacementModel(COST, n_minibatches=8)
     last = record(Placement.DISAGGREGATED, 95.0)

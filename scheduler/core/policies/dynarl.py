@@ -470,6 +470,14 @@ class DynaRLPolicy(BasePolicy):
     def _close_iteration(self, graph: Hypergraph, now: float) -> IterationRecord | None:
         """The record of the iteration that just ended, learnt from; the ledger starts the next."""
         record = self.ledger.close(now, self.ledger.job_gpus_max, self.mode)
+        if record is None and self.ledger.iteration is not None and self.param_bool("replan"):
+            # Said at every boundary, so the trail never repeats an older iteration's reasoning.
+            self.last_replan = (
+                f"iteration {self.ledger.iteration}: too little of it seen to re-plan from "
+                f"({self.ledger.ticks} ticks, {self.ledger.sums['rollout_body_s']:.0f}s of them with the "
+                f"rollout generating; iterations shorter than a few ticks are not measured): "
+                f"{self.mode} stays"
+            )
         if (
             self.mode is Placement.DISAGGREGATED
             and self.ledger.rollout_gpus_max > 0
