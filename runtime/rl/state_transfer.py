@@ -35,6 +35,7 @@ gloo (CPU) the buffers travel from host memory; over NCCL (CUDA) they stay on th
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import time
@@ -68,6 +69,10 @@ class TransferRendezvous:
     world_size: int
     prefix: str
     timeout_s: float = 120.0
+    # Once every rank has checked in, building the group only connects them (milliseconds); a
+    # rank that dies in between would otherwise hold the others for ``timeout_s``. The
+    # collectives keep ``timeout_s``.
+    connect_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -141,22 +146,36 @@ def _checksum(tensor: torch.Tensor) -> int:
     return int(xxhash.xxh3_64_intdigest(host.numpy().data.cast("B")))
 
 
-def _broadcast_bytes(group: c10d.ProcessGroup, payload: bytes | None, device: torch.device) -> bytes:
+def _broadcast(group: c10d.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> c10d.Work:
+    """The sender's ``tensor`` to every rank, with the transfer's timeout rather than the
+    group's (which only bounds its connect)."""
+    options = c10d.BroadcastOptions()
+    options.rootRank = SENDER
+    options.rootTensor = 0
+    options.timeout = datetime.timedelta(seconds=timeout_s)
+    return group.broadcast([tensor], options)
+
+
+def _broadcast_bytes(
+    group: c10d.ProcessGroup, payload: bytes | None, device: torch.device, timeout_s: float
+) -> bytes:
     size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64, device=device)
-    group.broadcast(size, SENDER).wait()
+    _broadcast(group, size, timeout_s).wait()
     buffer = (
         torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         if payload is not None
         else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     )
-    group.broadcast(buffer, SENDER).wait()
+    _broadcast(group, buffer, timeout_s).wait()
     return bytes(buffer.cpu().numpy().tobytes())
 
 
-def _agree(group: c10d.ProcessGroup, ok: bool, device: torch.device) -> bool:
+def _agree(group: c10d.ProcessGroup, ok: bool, device: torch.device, timeout_s: float) -> bool:
     """True when every rank of the group says ``ok``."""
     verdict = torch.tensor([0.0 if ok else 1.0], device=device)
-    group.allreduce([verdict]).wait()
+    options = c10d.AllreduceOptions()
+    options.timeout = datetime.timedelta(seconds=timeout_s)
+    group.allreduce([verdict], options).wait()
     return float(verdict.item()) == 0.0
 
 
@@ -212,19 +231,28 @@ def transfer_state(
     step counts, settings, step and RNG are applied only then. The sender only reads.
 
     Before the group is built, every rank checks in on the store: a transfer abandoned meanwhile
-    (``abandon_transfer``, when a receiver is known dead) raises `TransferFailed` at once."""
+    (``abandon_transfer``, when a receiver is known dead) raises `TransferFailed` at once. The
+    group then connects within ``connect_timeout_s`` (a rank that died after checking in fails it
+    then, not after ``timeout_s``); its collectives run under ``timeout_s``."""
     device = trainer.device
+    timeout_s = rendezvous.timeout_s
     _check_in(rendezvous)
-    group = create_data_parallel_group(
-        DataParallelRendezvous(
-            store=rendezvous.store,
-            rank=rendezvous.rank,
-            world_size=rendezvous.world_size,
-            generation=rendezvous.prefix,
-            timeout_s=rendezvous.timeout_s,
-        ),
-        device,
-    )
+    connect_s = min(rendezvous.connect_timeout_s, timeout_s)
+    try:
+        group = create_data_parallel_group(
+            DataParallelRendezvous(
+                store=rendezvous.store,
+                rank=rendezvous.rank,
+                world_size=rendezvous.world_size,
+                generation=rendezvous.prefix,
+                timeout_s=connect_s,
+            ),
+            device,
+        )
+    except RuntimeError as exc:  # gloo's connect timed out or a peer's socket closed
+        raise TransferFailed(
+            f"the ranks checked in but did not connect within {connect_s:g} s: {exc}"
+        ) from exc
     started = time.perf_counter()
     sending = rendezvous.rank == SENDER
     header: dict[str, Any] | None = None
@@ -241,7 +269,7 @@ def transfer_state(
             "rng_bytes": int(rng_state(device).numel()),
         }
     header = json.loads(
-        _broadcast_bytes(group, None if header is None else json.dumps(header).encode(), device)
+        _broadcast_bytes(group, None if header is None else json.dumps(header).encode(), device, timeout_s)
     )
     assert header is not None
     if not sending and header.get("format") != _FORMAT:
@@ -261,7 +289,7 @@ def transfer_state(
         steps = torch.empty(len(states), dtype=torch.float32, device=device)
         rng = torch.empty(int(header["rng_bytes"]), dtype=torch.uint8, device=device)
     tensors = [*wire, ("adam_step", steps), ("rng", rng)]
-    works = [group.broadcast(tensor, SENDER) for _, tensor in tensors]
+    works = [_broadcast(group, tensor, timeout_s) for _, tensor in tensors]
     sums: list[int] = []
     for (_, tensor), work in zip(tensors, works, strict=True):
         if not sending:
@@ -269,7 +297,9 @@ def transfer_state(
         sums.append(_checksum(tensor))
     for work in works:
         work.wait()
-    sent = json.loads(_broadcast_bytes(group, json.dumps(sums).encode() if sending else None, device))
+    sent = json.loads(
+        _broadcast_bytes(group, json.dumps(sums).encode() if sending else None, device, timeout_s)
+    )
     problem = ""
     if not sending:
         wrong = sorted(
@@ -277,7 +307,7 @@ def transfer_state(
         )
         if wrong:
             problem = f"checksum mismatch in {', '.join(wrong)}"
-    if not _agree(group, not problem, device):
+    if not _agree(group, not problem, device, timeout_s):
         raise TransferFailed(problem or "another receiver did not get the state whole")
     if not sending:
         _apply(trainer, states, steps.cpu(), header, rng.cpu())

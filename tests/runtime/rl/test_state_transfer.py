@@ -151,6 +151,26 @@ def test_a_transfer_abandoned_before_a_receiver_arrives_frees_the_sender_at_once
     assert sender.train_step(BATCHES[1]).step == 2  # it trains on in its own group
 
 
+def test_a_receiver_that_checks_in_and_never_connects_fails_the_transfer_at_the_connect() -> None:
+    # The receiver died between its check-in and the group's connect: nobody abandons the
+    # transfer, and the sender gives up after the connect timeout, not the transfer's hour.
+    sender = Trainer(
+        trainer_config(len(BATCHES[0]), MICRO_BATCH),
+        DataParallelRendezvous(store=c10d.HashStore(), rank=0, world_size=1, generation="dp-0"),
+    )
+    sender.train_step(BATCHES[0])
+    untouched = state_checksums(sender)
+    store = c10d.HashStore()
+    rendezvous = TransferRendezvous(
+        store, rank=0, world_size=2, prefix="transfer-m9-a2", timeout_s=3600.0, connect_timeout_s=1.0
+    )
+    store.set("transfer-m9-a2/present/1", "1")  # the receiver arrived, then died
+    with pytest.raises(TransferFailed, match="checked in but did not connect within 1 s"):
+        transfer_state(sender, rendezvous, {"iteration": 1})
+    assert state_checksums(sender) == untouched
+    assert sender.train_step(BATCHES[1]).step == 2  # it trains on in its own group
+
+
 def test_a_transfer_needs_a_sender_and_a_receiver_and_a_standby_rank_cannot_train() -> None:
     with pytest.raises(ValueError, match="a sender and at least one receiver"):
         TransferRendezvous(c10d.HashStore(), 0, 1, "transfer-x")
