@@ -80,6 +80,8 @@ class PolicyRun:
     # One per migration: strategy, state, wall s, and for a p2p side the seconds the trainer was
     # held (its transfer_state's start to its switch's end: no train step runs between).
     migrations: list[dict[str, Any]] = field(default_factory=list)
+    # Seconds from the job's start to each iteration's result being recorded.
+    reported_s: list[float] = field(default_factory=list)
     # The policy's reasoning at each iteration boundary (its `replan` audit events), in order.
     replans: list[str] = field(default_factory=list)
 
@@ -178,6 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16, help="problems per iteration (8 samples each)")
     parser.add_argument("--hidden-size", type=int, default=64, help="the policy GPT's width")
     parser.add_argument("--layers", type=int, default=2, help="the policy GPT's depth")
+    parser.add_argument(
+        "--target-reward",
+        type=float,
+        default=0.5,
+        help="the mean reward whose first iteration's time is reported (time to target)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a job may take")
     parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")
     parser.add_argument(
@@ -293,8 +301,10 @@ def run_policy(
         # starts on an empty Ray cluster.
         live = Worker.objects.filter(group__job=job).exclude(state=WorkerState.STOPPED)
         wait_for(lambda: not live.exists(), 120, "the job's workers to stop", watched, workdir)
-        results = [dict(row.metrics) for row in IterationResult.objects.filter(job=job).order_by("iteration")]
+        rows = list(IterationResult.objects.filter(job=job).order_by("iteration"))
+        results = [dict(row.metrics) for row in rows]
         started, finished = job.started_at, job.finished_at or job.started_at
+        reported_s = [(row.recorded_at - started).total_seconds() for row in rows] if started else []
         wall = (finished - started).total_seconds() if started and finished else float("nan")
         held: dict[str, float] = {}
         if started and finished:
@@ -325,6 +335,7 @@ def run_policy(
             migrations=migrations,
             decisions=decisions,
             replans=replans,
+            reported_s=reported_s,
         )
     finally:
         for proc in agents:
@@ -365,17 +376,27 @@ PHASE_COMPONENT = {
 }
 
 
+def time_to_target(run: PolicyRun, target: float) -> str:
+    """Seconds from the job's start until the result of its first iteration whose mean reward
+    reached ``target`` was recorded, and that iteration; "not reached" otherwise."""
+    for iteration, (result, seconds) in enumerate(zip(run.results, run.reported_s, strict=False)):
+        if result["mean_reward"] >= target:
+            return f"{seconds:.1f} (iteration {iteration})"
+    return "not reached"
+
+
 def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
     lines = [
         f"Real job, {args.iterations} iterations, seed {args.seed}, 2 Ray nodes x {args.gpus} logical GPUs, "
         "every worker on this machine's CPU",
         "",
-        "| placement | state | wall s | tokens generated/s | samples trained/s | reward first -> last | accuracy last |",
-        "|---|---|---|---|---|---|---|",
+        "| placement | state | wall s | tokens generated/s | samples trained/s | reward first -> last | "
+        f"accuracy last | s to reward >= {args.target_reward:g} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if not run.results:
-            lines.append(f"| {run.policy} | {run.state}: {run.detail} | | | | | |")
+            lines.append(f"| {run.policy} | {run.state}: {run.detail} | | | | | | |")
             continue
         generated = sum(r["tokens_generated"] for r in run.results)
         samples = sum(r["samples"] for r in run.results)
@@ -383,7 +404,8 @@ def report(runs: Sequence[PolicyRun], args: argparse.Namespace) -> str:
         last = run.results[-1] if run.results else {"mean_reward": float("nan"), "accuracy": float("nan")}
         lines.append(
             f"| {run.policy} | {run.state} | {run.wall_s:.1f} | {generated / run.wall_s:.0f} | "
-            f"{samples / run.wall_s:.2f} | {first:.3f} -> {last['mean_reward']:.3f} | {last['accuracy']:.3f} |"
+            f"{samples / run.wall_s:.2f} | {first:.3f} -> {last['mean_reward']:.3f} | {last['accuracy']:.3f} | "
+            f"{time_to_target(run, args.target_reward)} |"
         )
     lines += [
         "",
