@@ -28,6 +28,10 @@ class MigrationCostModel:
     # What a deployment adds to the figures above (control-plane round trips per step, slow
     # hosts): the measured / modelled duration of the job's recent migrations; 1 until measured.
     measured_scale: float = 1.0
+    # How long this deployment took to bring the job's own serving workers up, from placing one
+    # to its running (engine start, weights load, the agent's round trip); None until measured.
+    # A new engine cannot start faster than that, so it floors the modelled engine start.
+    worker_start_measured_s: float | None = None
 
     @property
     def trainer_state_gb(self) -> float:
@@ -72,4 +76,7 @@ class MigrationCostModel:
 
     def engine_launch_s(self) -> float:
         """Starting a fresh engine on a GPU given to a serving group."""
-        return self.measured_scale * self.engine_start_s
+        modelled = self.measured_scale * self.engine_start_s
+        if self.worker_start_measured_s is None:
+            return modelled
+        return max(modelled, self.worker_start_measured_s)

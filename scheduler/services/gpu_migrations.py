@@ -37,7 +37,7 @@ from common.audit import Actor
 from jobs.models import Job, JobState, Worker, WorkerGroup, WorkerState
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Decision, Reason
-from scheduler.core.hypergraph import Hypergraph
+from scheduler.core.hypergraph import ComponentKind, Hypergraph
 from scheduler.core.migration import (
     MigrationPlan,
     PlanError,
@@ -78,6 +78,8 @@ class StepNotForNode(Exception):
 
 CALIBRATION_MIGRATIONS = 8  # a job's latest committed migrations that calibrate its cost model
 MEASURED_SCALE_BOUNDS = (0.25, 100.0)
+CALIBRATION_WORKER_STARTS = 16  # a job's latest engine starts that say what one takes here
+SERVING_KINDS = (ComponentKind.ROLLOUT.value, ComponentKind.INFERENCE.value)
 
 
 def modelled_costs(job: Job) -> MigrationCostModel:
@@ -101,10 +103,28 @@ def cost_model_for(job: Job) -> MigrationCostModel:
         .values_list("created_at", "finished_at", "estimated_s")[:CALIBRATION_MIGRATIONS]
         if finished is not None
     ]
+    started = worker_start_s(job)
+    if started is not None:
+        modelled = replace(modelled, worker_start_measured_s=started)
     if not ratios:
         return modelled
     low, high = MEASURED_SCALE_BOUNDS
     return replace(modelled, measured_scale=min(high, max(low, statistics.median(ratios))))
+
+
+def worker_start_s(job: Job) -> float | None:
+    """The median seconds the job's serving workers (engines) took from being placed to running,
+    over its latest starts; None before one has started."""
+    spans = [
+        (started - created).total_seconds()
+        for created, started in Worker.objects.filter(
+            group__job=job, group__kind__in=SERVING_KINDS, started_at__isnull=False
+        )
+        .order_by("-started_at")
+        .values_list("created_at", "started_at")[:CALIBRATION_WORKER_STARTS]
+        if started is not None
+    ]
+    return statistics.median(spans) if spans else None
 
 
 def open_migration(job: Job) -> Migration | None:

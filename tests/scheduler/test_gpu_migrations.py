@@ -6,6 +6,7 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db.models import F
 from django.utils import timezone
 
 from cluster.models import AgentCommand, CommandState, Device, Node, NodeStatus
@@ -535,3 +536,22 @@ def test_a_switch_that_times_out_after_one_node_reported_settles_once_and_stays_
     assert migration.steps.get(kind="destroy_new").state == StepState.DONE
     gpu_migrations.advance(migration)  # a later tick finds nothing to do
     assert AuditEvent.objects.filter(verb="migration.rollback", object_id=str(migration.pk)).count() == 1
+
+
+def test_engine_starts_are_priced_at_what_the_jobs_own_engines_took_to_start(running_job: Job) -> None:
+    # On a deployment where an engine takes half a minute from placement to running (its process,
+    # its weights, the agent's round trip), a move or a placement change that starts one costs that.
+    modelled = gpu_migrations.modelled_costs(running_job)
+    assert gpu_migrations.cost_model_for(running_job).engine_launch_s() == modelled.engine_launch_s()
+    rollout = Worker.objects.filter(group__job=running_job, group__kind="rollout").order_by("pk")
+    for worker, seconds in zip(rollout, (20.0, 30.0, 31.0, 32.0, 90.0, 30.0), strict=True):
+        worker.started_at = worker.created_at + timedelta(seconds=seconds)
+        worker.save(update_fields=["started_at"])
+    # The trainer's ranks are not engines: a slow one does not make engine starts dearer.
+    Worker.objects.filter(group__job=running_job, group__kind="actor").update(started_at=timezone.now())
+    measured = gpu_migrations.cost_model_for(running_job)
+    assert measured.worker_start_measured_s == pytest.approx(30.5)  # the median of the six
+    assert measured.engine_launch_s() == pytest.approx(30.5)
+    # Engines that start faster than the model's figure leave that figure as it is.
+    rollout.update(started_at=F("created_at") + timedelta(seconds=0.5))
+    assert gpu_migrations.cost_model_for(running_job).engine_launch_s() == modelled.engine_launch_s()
