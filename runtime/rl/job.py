@@ -10,10 +10,12 @@ disk, since every job and test would otherwise redo it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -333,6 +335,19 @@ def warm_start_checkpoint(config: RLJobConfig, cache_dir: Path) -> Path:
     return Path(cache_dir) / f"warm-start-{warm_start_cache_key(config)}"
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """On one CPU thread: the order of a matmul's float sums depends on torch's thread count, so
+    the same seed gives the same warm start in a driver (one thread), a benchmark or a test
+    process only when they compute it alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def warm_start_weights(config: RLJobConfig, cache_dir: Path | None = None) -> dict[str, torch.Tensor]:
     """The supervised warm start's weights in the engine's names (on the CPU), from the job's seed.
 
@@ -344,9 +359,10 @@ def warm_start_weights(config: RLJobConfig, cache_dir: Path | None = None) -> di
     if path is not None and is_checkpoint(path):
         _, tensors = load_checkpoint(path)
         return hf_to_engine(tensors, config.model)
-    model = build_gpt_model(config.model, seed=config.seed)
-    if config.warm_start_steps:
-        supervised_warm_start(model, CharTokenizer(), config.sft_config())
+    with _one_thread():
+        model = build_gpt_model(config.model, seed=config.seed)
+        if config.warm_start_steps:
+            supervised_warm_start(model, CharTokenizer(), config.sft_config())
     weights = {
         name: tensor.cpu() for name, tensor in megatron_to_engine(model.state_dict(), config.model).items()
     }
