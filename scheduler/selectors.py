@@ -20,9 +20,17 @@ from django.db.models import Avg, Count, Min, Sum
 from django.utils import timezone
 
 from cluster.models import Device
-from jobs.models import Job, Worker, WorkerState
+from jobs.models import IterationResult, Job, Worker, WorkerState
+from scheduler.core.hypergraph import ComponentKind
 from scheduler.core.migration import StepKind
-from scheduler.models import HypergraphSnapshot, Migration, MigrationStep, TelemetrySample
+from scheduler.core.signals import MeasuredIteration
+from scheduler.models import (
+    HypergraphSnapshot,
+    Migration,
+    MigrationStep,
+    PlacementChange,
+    TelemetrySample,
+)
 
 # Step kinds whose device list is the devices of the workers they start or let go.
 OWNERSHIP_STEP_KINDS = frozenset(
@@ -279,4 +287,38 @@ def job_telemetry(
             GroupSeries(group=name, kind=kinds.get(name, ""), points=tuple(series))
             for name, series in points.items()
         ),
+    )
+
+
+def latest_measured_iteration(job: Job) -> MeasuredIteration | None:
+    """The job's latest finished iteration as its driver measured it (a real runtime reports
+    each phase's seconds in its iteration result), or None before one or for a simulated job.
+
+    Its duration runs from the previous iteration's result (or the job's start) to its own, less
+    the time the job spent being placed anew in between (that is the switch's, not the
+    iteration's)."""
+    latest = IterationResult.objects.filter(job=job).order_by("-iteration").first()
+    if latest is None or not isinstance(latest.metrics.get("seconds"), dict):
+        return None
+    previous = IterationResult.objects.filter(job=job, iteration=latest.iteration - 1).first()
+    began = previous.recorded_at if previous is not None else job.started_at
+    if began is None:
+        return None
+    changes = PlacementChange.objects.filter(
+        job=job, finished_at__gt=began, finished_at__lte=latest.recorded_at
+    )
+    replacing = sum((c.finished_at - c.created_at).total_seconds() for c in changes if c.finished_at)
+    duration = (latest.recorded_at - began).total_seconds() - replacing
+    phases = latest.metrics["seconds"]
+    if duration <= 0:
+        return None
+    return MeasuredIteration(
+        iteration=latest.iteration,
+        duration_s=duration,
+        generate_s=float(phases.get("generate", 0.0)),
+        busy_s={
+            ComponentKind.INFERENCE: float(phases.get("reference", 0.0)),
+            ComponentKind.ACTOR: float(phases.get("train", 0.0)) + float(phases.get("push", 0.0)),
+        },
+        tokens=float(latest.metrics.get("tokens_trained", 0.0)),
     )

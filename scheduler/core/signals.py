@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scheduler.core.hypergraph import ComponentKind
+
 
 @dataclass(frozen=True)
 class GroupSignals:
@@ -50,3 +52,19 @@ class WorkerSample:
     in_flight: int = 0
     tokens: int = 0  # tokens produced (or trained on) since the worker's previous sample
     progress: float | None = None  # the group's progress as this worker sees it, 0..1
+
+
+@dataclass(frozen=True)
+class MeasuredIteration:
+    """One iteration as the job's own driver measured it, phase by phase: what a real runtime
+    reports at the end of each iteration. The ticks' signals are windowed over seconds, too
+    coarse for an iteration of a few; where this exists, a policy re-plans from it instead.
+
+    ``busy_s``: seconds each pipeline group kind worked ("inference": log-probs; "actor": the
+    train step and the weight push), after the rollout generated for ``generate_s``."""
+
+    iteration: int
+    duration_s: float  # from the previous iteration's end to this one's, a re-placement excluded
+    generate_s: float
+    busy_s: Mapping[ComponentKind, float]
+    tokens: float  # tokens the trainer trained

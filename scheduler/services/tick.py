@@ -35,6 +35,7 @@ from scheduler.core.predictor import ThroughputPredictor
 from scheduler.core.signal_window import SignalAggregator
 from scheduler.core.signals import GroupSignals
 from scheduler.models import TICK_NOTE_CHARS, GroupSignalsRecord, SchedulingDecision, Tick
+from scheduler.selectors import latest_measured_iteration
 from scheduler.services import gpu_migrations, placement_changes, predictor_errors, snapshots
 from scheduler.services.graph import build_hypergraph, core_device
 
@@ -109,6 +110,8 @@ def run_tick(job_id: int) -> Tick | None:
                 params=job.spec.get("policy", {}).get("params", {}),
             )
             policy.load_state(job.policy_state.get("policy", {}))
+            if (measured := latest_measured_iteration(job)) is not None:
+                policy.observe_iteration(measured)
             driver = SerialDriver(
                 policy,
                 SerialDriver.queued_from_json(job.policy_state.get("queued", [])),

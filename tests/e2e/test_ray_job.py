@@ -123,11 +123,12 @@ def test_an_agentic_job_calls_its_tool_workers_turn_by_turn_and_succeeds(
     # One optimizer step per iteration, unbroken whatever dynarl did at the boundaries (a
     # re-placement included: the trainer resumes from its kept state).
     assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(4)]
-    # dynarl's reasoning at each boundary is in the audit trail: what the iteration measured and
-    # the placement that follows, or that the iteration was too short for its ticks to measure
-    # (these take a few seconds); any placement change it made went through.
+    # dynarl's reasoning at each boundary is in the audit trail: what the iteration measured (the
+    # driver's report of its phases; these iterations are too short for the ticks' signals) and
+    # the placement that follows, or, where a boundary's tick came before the iteration's result
+    # was recorded, that it saw too little; any placement change it made went through.
     replans = list(AuditEvent.objects.filter(job=job, verb="replan").values_list("reason", flat=True))
-    assert replans, "no boundary reasoning recorded"
+    assert any("rollout body" in r for r in replans), replans
     assert all("rollout body" in r or "too little of it seen" in r for r in replans), replans
     changes = PlacementChange.objects.filter(job=job)
     assert all(c.state == PlacementChangeState.DONE for c in changes), [(c.state, c.error) for c in changes]

@@ -11,9 +11,10 @@ from django.utils import timezone
 from cluster.models import Device
 from common.audit import Actor
 from jobs import services
-from jobs.models import Job, Worker, WorkerState
+from jobs.models import IterationResult, Job, Worker, WorkerState
 from scheduler import selectors
-from scheduler.models import MigrationState, TelemetrySample
+from scheduler.core.hypergraph import ComponentKind
+from scheduler.models import MigrationState, PlacementChange, PlacementChangeState, TelemetrySample
 from scheduler.services import gpu_migrations, snapshots
 from tests.factories import make_cluster, make_user, mark_running, spec, submit
 from tests.scheduler.test_gpu_migrations import deliver_all
@@ -191,3 +192,46 @@ def test_telemetry_of_another_job_is_not_mixed_in(running_job: Job) -> None:
     found = selectors.job_telemetry(running_job)
     assert all(g.points == () for g in found.groups)
     assert [len(g.points) for g in selectors.job_telemetry(other).groups if g.group == "rollout"] == [1]
+
+
+def test_the_latest_iteration_as_its_driver_measured_it_leaves_a_re_placement_out(running_job: Job) -> None:
+    assert selectors.latest_measured_iteration(running_job) is None  # nothing finished yet
+    started = running_job.started_at
+    assert started is not None
+
+    def result(iteration: int, at_s: float, seconds: dict[str, float] | None) -> None:
+        metrics: dict[str, object] = {"tokens_trained": 900 + iteration}
+        if seconds is not None:
+            metrics["seconds"] = seconds
+        IterationResult.objects.create(
+            job=running_job,
+            iteration=iteration,
+            mean_reward=0.5,
+            metrics=metrics,
+            node="node-a",
+            recorded_at=started + timedelta(seconds=at_s),
+        )
+
+    phases = {"generate": 2.0, "reward": 0.1, "reference": 0.5, "train": 1.0, "push": 0.2, "verify": 0.1}
+    result(0, 6.0, phases)
+    first = selectors.latest_measured_iteration(running_job)
+    assert first is not None and (first.iteration, first.duration_s) == (0, 6.0)  # from the job's start
+    assert first.generate_s == 2.0 and first.tokens == 900.0
+    assert first.busy_s == {ComponentKind.INFERENCE: 0.5, ComponentKind.ACTOR: 1.2}
+    # Iteration 1 ended 50 s later, 44 s of which the job spent being placed anew.
+    PlacementChange.objects.create(
+        job=running_job,
+        iteration=1,
+        from_placement="disaggregated",
+        to_placement="colocated",
+        layout={},
+        state=PlacementChangeState.DONE,
+        created_at=started + timedelta(seconds=7.0),
+        finished_at=started + timedelta(seconds=51.0),
+    )
+    result(1, 56.0, phases)
+    second = selectors.latest_measured_iteration(running_job)
+    assert second is not None and (second.iteration, second.duration_s) == (1, 6.0)
+    # A result that does not report its phases (not a real runtime's) measures nothing.
+    result(2, 62.0, None)
+    assert selectors.latest_measured_iteration(running_job) is None

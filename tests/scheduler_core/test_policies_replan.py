@@ -17,9 +17,10 @@ from scheduler.core.policies.replan import (
     IterationRecord,
     PlacementModel,
     Replanner,
+    measured_record,
     time_shared,
 )
-from scheduler.core.signals import GroupSignals
+from scheduler.core.signals import GroupSignals, MeasuredIteration
 from scheduler.core.sim.families import LengthFamily, reshape
 from scheduler.core.sim.runner import simulate
 from scheduler.core.sim.simulator import SimOptions
@@ -310,7 +311,7 @@ def test_a_job_whose_tail_disappears_converges_to_colocated_and_goes_back_when_i
     assert placements[-1] == "D"
     first, back = result.placement_changes
     assert (first.to, back.to) == ("colocated", "disaggregated")
-    assert "tail 0s" in first.why and "saves" in first.why
+    assert "tail 0.0s" in first.why and "saves" in first.why
     assert back.iteration >= 6
 
 
@@ -343,6 +344,42 @@ def test_a_boundary_after_an_iteration_too_short_to_measure_says_so_rather_than_
     assert policy.on_iteration_end(job(), 2.0) == []
     assert policy.replan_note.startswith("iteration 3: too little of it seen"), policy.replan_note
     assert policy.mode is Placement.DISAGGREGATED
+
+
+def test_a_drivers_measurement_of_its_phases_is_read_as_the_placement_model_reads_an_iteration() -> None:
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 5, first_device=0),
+        make_group("reference", ComponentKind.INFERENCE, 1, first_device=5),
+        make_group("actor", ACTOR, 1, first_device=6),
+    )
+    measured = MeasuredIteration(
+        iteration=4,
+        duration_s=6.0,
+        generate_s=2.0,
+        busy_s={ComponentKind.INFERENCE: 0.5, ACTOR: 1.0},
+        tokens=3000.0,
+    )
+    read = measured_record(measured, graph, Placement.DISAGGREGATED)
+    assert (read.iteration, read.duration_s, read.total_gpus, read.tokens) == (4, 6.0, 7, 3000.0)
+    assert (read.rollout_body_s, read.rollout_body_gpu_s, read.rollout_tail_s) == (2.0, 10.0, 0.0)
+    assert (read.pipeline_gpu_s, read.pipeline_overlap_gpu_s) == (1.5, 0.0)
+    assert read.idle_s == 2.5  # the boundary: neither generating nor in a pipeline phase
+
+
+def test_a_boundary_learns_from_the_drivers_measurement_of_the_iteration_it_closes() -> None:
+    policy = policy_with()
+    policy.ledger.start(3, 0.0)  # the ticks saw too little of iteration 3
+    older = MeasuredIteration(iteration=2, duration_s=6.0, generate_s=2.0, busy_s={ACTOR: 1.0}, tokens=1e3)
+    policy.observe_iteration(older)
+    policy.on_iteration_end(job(), 2.0)
+    assert policy.replan_note.startswith("iteration 3: too little of it seen"), policy.replan_note
+    policy.ledger.start(4, 3.0)
+    policy.observe_iteration(replace(older, iteration=4))
+    assert policy.on_iteration_end(job(), 5.0) == []
+    assert policy.replan_note.startswith("iteration 4 (disaggregated) took 6.0s: rollout body 2.0s"), (
+        policy.replan_note
+    )
+    assert policy.replanner.last is not None and policy.replanner.last.idle_s == 3.0
 
 
 def test_colocated_is_predicted_with_the_trainer_on_the_gpus_its_valid_sizes_allow() -> None:

@@ -20,7 +20,7 @@ from scheduler.core.policies.moves import (
 )
 from scheduler.core.policies.params import ParamSpec, ParamValue, resolve_params
 from scheduler.core.predictor import ThroughputPredictor
-from scheduler.core.signals import GroupSignals
+from scheduler.core.signals import GroupSignals, MeasuredIteration
 
 # Why a caller without ``placement_changes_supported`` leaves a re-planned placement undone.
 PLACEMENT_CHANGE_UNSUPPORTED = "the caller does not place a running job anew"
@@ -73,6 +73,11 @@ class SchedulingPolicy(Protocol):
         """Moves for the iteration boundary. ``signals`` (the live tick passes them) lets a
         policy weigh each move at the job's measured migration costs; without them (the
         simulator) it applies its rule as is."""
+        ...
+
+    def observe_iteration(self, measured: MeasuredIteration) -> None:
+        """The job's driver measured its latest finished iteration (a real runtime does; the
+        simulator does not): for this tick, a boundary may learn from it."""
         ...
 
     def iteration_advanced(self, graph: Hypergraph) -> bool:
@@ -164,6 +169,9 @@ class BasePolicy:
         self, graph: Hypergraph, now: float, signals: Mapping[str, GroupSignals] | None = None
     ) -> list[Decision]:
         return []
+
+    def observe_iteration(self, measured: MeasuredIteration) -> None:
+        return None
 
     def next_placement(self) -> PlacementChange | None:
         return None

@@ -39,10 +39,11 @@ from scheduler.core.policies.replan import (
     PlacementChoice,
     PlacementModel,
     Replanner,
+    measured_record,
     time_shared,
     work,
 )
-from scheduler.core.signals import GroupSignals
+from scheduler.core.signals import GroupSignals, MeasuredIteration
 
 NOT_BEST = "a better candidate was chosen"
 # Drained groups whose idle workers a pooled move may combine (see ``_pooled_candidates``).
@@ -233,6 +234,7 @@ class DynaRLPolicy(BasePolicy):
         self._placement_choice: PlacementChoice | None = None  # for the caller to carry out
         self._loans_before_change: list[Loan] = []  # loans a refused placement change gives back
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
+        self._measured: MeasuredIteration | None = None  # this tick's, from the job's driver
         self._idle_note = ""  # why the latest tick moved nothing, for the tick's row
         self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
         self._ever_ahead = False  # whether the rollout was ever seen generating ahead of the trainer
@@ -467,13 +469,21 @@ class DynaRLPolicy(BasePolicy):
 
     # -- re-planning at the boundary -----------------------------------------------------------
 
+    def observe_iteration(self, measured: MeasuredIteration) -> None:
+        """The job's driver measured ``measured``, its latest finished iteration: a boundary that
+        closes that iteration learns from it rather than from the ticks."""
+        self._measured = measured
+
     def _close_iteration(self, graph: Hypergraph, now: float) -> IterationRecord | None:
         """The record of the iteration that just ended, learnt from; the ledger starts the next."""
+        closing = self.ledger.iteration
         record = self.ledger.close(now, self.ledger.job_gpus_max, self.mode)
-        if record is None and self.ledger.iteration is not None and self.param_bool("replan"):
+        if self._measured is not None and closing is not None and self._measured.iteration >= closing:
+            record = measured_record(self._measured, graph, self.mode)
+        if record is None and closing is not None and self.param_bool("replan"):
             # Said at every boundary, so the trail never repeats an older iteration's reasoning.
             self.last_replan = (
-                f"iteration {self.ledger.iteration}: too little of it seen to re-plan from "
+                f"iteration {closing}: too little of it seen to re-plan from "
                 f"({self.ledger.ticks} ticks, {self.ledger.sums['rollout_body_s']:.0f}s of them with the "
                 f"rollout generating; iterations shorter than a few ticks are not measured): "
                 f"{self.mode} stays"

@@ -45,7 +45,7 @@ from typing import Any
 from scheduler.core.costs import MigrationCostModel
 from scheduler.core.hypergraph import ComponentKind, Hypergraph, MigrationStrategy
 from scheduler.core.policies.base import Placement
-from scheduler.core.signals import GroupSignals
+from scheduler.core.signals import GroupSignals, MeasuredIteration
 
 # A gap between two observations longer than this is not charged to either (a restarted
 # scheduler, ticks skipped while a migration ran for long): the ledger resumes from the next tick.
@@ -106,6 +106,33 @@ class IterationRecord:
         values: dict[str, Any] = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         values["placement"] = Placement(values["placement"])
         return cls(**values)
+
+
+def measured_record(measured: MeasuredIteration, graph: Hypergraph, placement: Placement) -> IterationRecord:
+    """What the job's driver measured of an iteration (``MeasuredIteration``), as the placement
+    model reads an iteration, on the GPUs ``graph`` holds. The phases ran one after the other:
+    no pipeline work overlapped the rollout, and the driver does not split the rollout into body
+    and tail (the colocated model then keeps it whole). What the phases do not cover (rewards,
+    checks, the boundary itself) is idle time for every GPU group."""
+
+    def gpus(kind: ComponentKind) -> int:
+        return sum(node.gpus for node in graph.by_kind(kind))
+
+    worked = measured.generate_s + sum(measured.busy_s.values())
+    return IterationRecord(
+        iteration=measured.iteration,
+        placement=placement,
+        duration_s=measured.duration_s,
+        total_gpus=len(gpu_device_ids(graph)),
+        rollout_body_s=measured.generate_s,
+        rollout_body_gpu_s=measured.generate_s * gpus(ComponentKind.ROLLOUT),
+        rollout_tail_s=0.0,
+        rollout_tail_gpu_s=0.0,
+        pipeline_gpu_s=sum(seconds * gpus(kind) for kind, seconds in measured.busy_s.items()),
+        pipeline_overlap_gpu_s=0.0,
+        tokens=measured.tokens,
+        idle_s=max(0.0, measured.duration_s - worked),
+    )
 
 
 class IterationLedger:
@@ -479,9 +506,9 @@ class Replanner:
         margin = self.margin if measured else max(self.margin, self.trial_margin(other))
         basis = "its measured throughput on this job" if measured else "modelled from this iteration"
         summary = (
-            f"iteration {record.iteration} ({record.placement}) took {record.duration_s:.0f}s: rollout "
-            f"body {record.rollout_body_s:.0f}s, tail {record.rollout_tail_s:.0f}s, pipeline "
-            f"{record.pipeline_gpu_s:.0f} GPU-s; {other} predicted {move:.0f}s ({basis})"
+            f"iteration {record.iteration} ({record.placement}) took {seconds(record.duration_s)}s: rollout "
+            f"body {seconds(record.rollout_body_s)}s, tail {seconds(record.rollout_tail_s)}s, pipeline "
+            f"{seconds(record.pipeline_gpu_s)} GPU-s; {other} predicted {seconds(move)}s ({basis})"
         )
         if other is Placement.COLOCATED and not allow_colocated:
             return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: {held_because}")
@@ -495,13 +522,13 @@ class Replanner:
                 other,
                 predicted,
                 switch,
-                f"{summary}: {other} saves {stay - move:.0f}s of {stay:.0f}s for a {switch:.1f}s switch"
+                f"{summary}: {other} saves {seconds(stay - move)}s of {seconds(stay)}s for a {switch:.1f}s switch"
                 f"{switch_basis} (needs {margin:.0%})",
             )
         why = f"a switch needs {margin:.0%}"
         if saving > margin * stay:
             why = (
-                f"saving {saving:.0f}s an iteration does not pay a {switch:.1f}s switch{switch_basis} "
+                f"saving {seconds(saving)}s an iteration does not pay a {switch:.1f}s switch{switch_basis} "
                 f"back within {PAYBACK_ITERATIONS} iterations"
             )
         return PlacementChoice(current, predicted, 0.0, f"{summary}: {current} stays ({why})")
@@ -528,6 +555,12 @@ class Replanner:
         self.trial = (Placement(trial[0]), float(trial[1])) if trial else None
         switch = data.get("switch_measured_s")
         self.switch_measured_s = None if switch is None else float(switch)
+
+
+def seconds(value: float) -> str:
+    """Seconds for the decision trail: a tenth under ten (real iterations of a few seconds),
+    whole ones above."""
+    return f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
 
 
 def work(record: IterationRecord) -> float:
