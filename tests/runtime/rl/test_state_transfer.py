@@ -119,15 +119,21 @@ def test_a_new_rank_dying_mid_transfer_leaves_the_old_rank_training_as_if_nothin
     assert [m.grpo for m in old["metrics"]] == [m.grpo for m in reference_metrics]
 
 
+def trained_rank() -> Trainer:
+    """A rank alone in its training group, one step in: a sender whose transfer is about to fail."""
+    rank = Trainer(
+        trainer_config(len(BATCHES[0]), MICRO_BATCH),
+        DataParallelRendezvous(store=c10d.HashStore(), rank=0, world_size=1, generation="dp-0"),
+    )
+    rank.train_step(BATCHES[0])
+    return rank
+
+
 def test_a_transfer_abandoned_before_a_receiver_arrives_frees_the_sender_at_once() -> None:
     # The receiver died before it reached the transfer: whoever learns of it (the driver, from
     # the receiver's failed call) abandons the transfer, and the sender, a rank of the running
     # trainer, gives up with that reason instead of waiting out the rendezvous' timeout.
-    sender = Trainer(
-        trainer_config(len(BATCHES[0]), MICRO_BATCH),
-        DataParallelRendezvous(store=c10d.HashStore(), rank=0, world_size=1, generation="dp-0"),
-    )
-    sender.train_step(BATCHES[0])
+    sender = trained_rank()
     untouched = state_checksums(sender)
     store = c10d.HashStore()
     rendezvous = TransferRendezvous(store, rank=0, world_size=2, prefix="transfer-m9-a1", timeout_s=3600.0)
@@ -154,11 +160,7 @@ def test_a_transfer_abandoned_before_a_receiver_arrives_frees_the_sender_at_once
 def test_a_receiver_that_checks_in_and_never_connects_fails_the_transfer_at_the_connect() -> None:
     # The receiver died between its check-in and the group's connect: nobody abandons the
     # transfer, and the sender gives up after the connect timeout, not the transfer's hour.
-    sender = Trainer(
-        trainer_config(len(BATCHES[0]), MICRO_BATCH),
-        DataParallelRendezvous(store=c10d.HashStore(), rank=0, world_size=1, generation="dp-0"),
-    )
-    sender.train_step(BATCHES[0])
+    sender = trained_rank()
     untouched = state_checksums(sender)
     store = c10d.HashStore()
     rendezvous = TransferRendezvous(
