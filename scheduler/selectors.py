@@ -297,10 +297,11 @@ def latest_measured_iteration(job: Job) -> MeasuredIteration | None:
     Its duration runs from the previous iteration's result (or the job's start) to its own, less
     the time the job spent being placed anew in between (that is the switch's, not the
     iteration's)."""
-    latest = IterationResult.objects.filter(job=job).order_by("-iteration").first()
-    if latest is None or not isinstance(latest.metrics.get("seconds"), dict):
+    rows = list(IterationResult.objects.filter(job=job).order_by("-iteration")[:2])
+    if not rows or not isinstance(rows[0].metrics.get("seconds"), dict):
         return None
-    previous = IterationResult.objects.filter(job=job, iteration=latest.iteration - 1).first()
+    latest = rows[0]
+    previous = rows[1] if len(rows) > 1 and rows[1].iteration == latest.iteration - 1 else None
     began = previous.recorded_at if previous is not None else job.started_at
     if began is None:
         return None

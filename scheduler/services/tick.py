@@ -110,7 +110,8 @@ def run_tick(job_id: int) -> Tick | None:
                 params=job.spec.get("policy", {}).get("params", {}),
             )
             policy.load_state(job.policy_state.get("policy", {}))
-            if (measured := latest_measured_iteration(job)) is not None:
+            # Only a boundary learns from the driver's measurement: read it on those ticks alone.
+            if policy.iteration_advanced(graph) and (measured := latest_measured_iteration(job)) is not None:
                 policy.observe_iteration(measured)
             driver = SerialDriver(
                 policy,
