@@ -34,12 +34,14 @@ from scheduler.core.policies.outcomes import MoveOutcomes, OpenOutcome, move_kin
 from scheduler.core.policies.pace import PaceMemory, PaceModel, consolidation_slowdown, largest_valid_gpus
 from scheduler.core.policies.params import ParamSpec
 from scheduler.core.policies.replan import (
+    PAYBACK_ITERATIONS,
     IterationLedger,
     IterationRecord,
     PlacementChoice,
     PlacementModel,
     Replanner,
     measured_record,
+    seconds,
     time_shared,
     work,
 )
@@ -488,12 +490,13 @@ class DynaRLPolicy(BasePolicy):
                 f"rollout generating; iterations shorter than a few ticks are not measured): "
                 f"{self.mode} stays"
             )
-        if (
-            self.mode is Placement.DISAGGREGATED
-            and self.ledger.rollout_gpus_max > 0
-            and self._rollout_base is None
-        ):
-            self._rollout_base = self.ledger.rollout_gpus_max
+        if self.mode is Placement.DISAGGREGATED and self._rollout_base is None:
+            # The rollout's GPUs as the driver timed it, else the most the ticks saw it hold.
+            staged = record.stages.get(ComponentKind.ROLLOUT.value) if record is not None else None
+            if staged is not None and staged[1] > 0:
+                self._rollout_base = staged[1]
+            elif self.ledger.rollout_gpus_max > 0:
+                self._rollout_base = self.ledger.rollout_gpus_max
         self.ledger.start(graph.iteration, now)
         if record is None:
             return None
@@ -548,10 +551,14 @@ class DynaRLPolicy(BasePolicy):
         self, graph: Hypergraph, record: IterationRecord | None, returns: Sequence[Decision], now: float
     ) -> list[Decision]:
         """The next iteration's base split, disaggregated: whole workers between the rollout and
-        the pipeline group with the most work (log-probs, else the trainer), when the placement
-        model, on what the iteration measured, predicts the shifted split at least
-        ``replan_margin`` faster. Devices going home already are left alone. Each re-planned split
-        is held against the next iteration's measured duration (``MoveOutcomes``)."""
+        a pipeline group, when the placement model, on what the iteration measured, predicts the
+        shifted split at least ``replan_margin`` faster, and the saving pays the move back within
+        ``PAYBACK_ITERATIONS`` iterations. An iteration the ticks measured (stages overlapping,
+        drained GPUs lent to the pipeline) is weighed against the pipeline group with the most
+        work there (log-probs, else the trainer); one whose stages the driver timed one after
+        another, against each pipeline group, stage by stage. Devices going home already are
+        left alone. Each re-planned split is held against the next iteration's measured
+        duration (``MoveOutcomes``)."""
         if (
             not self.param_bool("replan")
             or record is None
@@ -562,12 +569,19 @@ class DynaRLPolicy(BasePolicy):
         ):
             return []
         rollouts = [n for n in graph.by_kind(ComponentKind.ROLLOUT) if n.workers]
-        partners = [n for n in graph.by_kind(ComponentKind.INFERENCE) if n.workers] or [
-            n for n in graph.by_kind(ComponentKind.ACTOR) if n.workers
-        ]
-        if len(rollouts) != 1 or len(partners) != 1:
+        inference = [n for n in graph.by_kind(ComponentKind.INFERENCE) if n.workers]
+        actors = [n for n in graph.by_kind(ComponentKind.ACTOR) if n.workers]
+        if record.stages:
+            partners = [group for group in (*inference, *actors) if group.kind.value in record.stages]
+            if len(inference) > 1 or len(actors) > 1:
+                return []
+        else:
+            partners = inference or actors
+            if len(partners) != 1:
+                return []
+        if len(rollouts) != 1 or not partners:
             return []
-        rollout, partner = rollouts[0], partners[0]
+        rollout = rollouts[0]
         base = self._rollout_base
         model = self.replanner.model
         now_s = model.disaggregated_s(record, base)
@@ -576,39 +590,68 @@ class DynaRLPolicy(BasePolicy):
         returning = {d for decision in returns for d in decision.device_ids}
         margin = self.param_float("replan_margin")
         best: tuple[float, Decision, str, int] | None = None
-        for donor, recipient, sign in ((rollout, partner, -1), (partner, rollout, 1)):
-            workers = self._smallest_shift(donor, recipient, returning)
-            if workers is None:
-                continue
-            devices = devices_of(workers)
-            rollout_after = base + sign * len(devices)
-            if rollout_after <= 0 or rollout_after >= record.total_gpus:
-                continue
-            saving = 1.0 - model.disaggregated_s(record, rollout_after) / now_s
-            kind = f"rebase:{move_kind(donor, recipient)}"
-            trust, suspended = self.outcomes.trust(kind, graph.iteration)
-            if suspended is not None or saving * trust < margin or (best is not None and saving <= best[0]):
-                continue
-            detail = (
-                f"iteration {record.iteration} measured rollout body {record.rollout_body_s:.0f}s, tail "
-                f"{record.rollout_tail_s:.0f}s, pipeline {record.pipeline_gpu_s:.0f} GPU-s: the rollout "
-                f"starts the next with {rollout_after} GPUs instead of {base} "
-                f"(predicted {saving:.0%} faster): {len(devices)} GPUs of {donor.id} to {recipient.id}"
-            )
-            candidate = self._rebase_candidate(record, donor, recipient, devices, saving)
-            decision = make_decision(
-                self.name,
-                Reason.REPLAN_BASE_SPLIT,
-                detail,
-                donor=donor,
-                recipient=recipient,
-                device_ids=[d.id for d in devices],
-                at=now,
-                chosen=candidate,
-                candidates=[candidate],
-            )
-            best = (saving, decision, kind, rollout_after)
+        declined: list[str] = []
+        for partner in partners:
+            for donor, recipient, sign in ((rollout, partner, -1), (partner, rollout, 1)):
+                workers = self._smallest_shift(donor, recipient, returning)
+                if workers is None:
+                    continue
+                devices = devices_of(workers)
+                rollout_after = base + sign * len(devices)
+                if rollout_after <= 0 or rollout_after >= record.total_gpus:
+                    continue
+                if record.stages:
+                    partner_held = record.stages[partner.kind.value][1]
+                    after_s = model.staged_s(
+                        record,
+                        {
+                            ComponentKind.ROLLOUT.value: rollout_after,
+                            partner.kind.value: partner_held - sign * len(devices),
+                        },
+                    )
+                else:
+                    after_s = model.disaggregated_s(record, rollout_after)
+                saving = 1.0 - after_s / now_s
+                kind = f"rebase:{move_kind(donor, recipient)}"
+                trust, suspended = self.outcomes.trust(kind, graph.iteration)
+                if (
+                    suspended is not None
+                    or saving * trust < margin
+                    or (best is not None and saving <= best[0])
+                ):
+                    continue
+                candidate = self._rebase_candidate(record, donor, recipient, devices, saving)
+                saving_s = saving * record.duration_s
+                if PAYBACK_ITERATIONS * saving_s <= candidate.migration_cost_s:
+                    declined.append(
+                        f"{len(devices)} GPUs of {donor.id} to {recipient.id} would save {seconds(saving_s)}s an "
+                        f"iteration, which does not pay a {candidate.migration_cost_s:.1f}s move back within "
+                        f"{PAYBACK_ITERATIONS} iterations"
+                    )
+                    continue
+                detail = (
+                    f"iteration {record.iteration} measured rollout body {seconds(record.rollout_body_s)}s, tail "
+                    f"{seconds(record.rollout_tail_s)}s, pipeline {seconds(record.pipeline_gpu_s)} GPU-s: "
+                    f"{len(devices)} GPUs of {donor.id} to {recipient.id} for the next iteration "
+                    f"(the rollout on {rollout_after} GPUs instead of {base}; predicted {saving:.0%} faster, "
+                    f"{seconds(saving_s)}s an iteration for a {candidate.migration_cost_s:.1f}s move)"
+                )
+                decision = make_decision(
+                    self.name,
+                    Reason.REPLAN_BASE_SPLIT,
+                    detail,
+                    donor=donor,
+                    recipient=recipient,
+                    device_ids=[d.id for d in devices],
+                    at=now,
+                    chosen=candidate,
+                    candidates=[candidate],
+                )
+                best = (saving, decision, kind, rollout_after)
         if best is None:
+            if declined:
+                note = "; ".join(declined)
+                self.last_replan = f"{self.last_replan}; {note}" if self.last_replan else note
             return []
         saving, decision, kind, rollout_after = best
         self._rollout_base = rollout_after

@@ -39,7 +39,7 @@ to the first tick in the new layout, which is not charged to the iteration that 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from scheduler.core.costs import MigrationCostModel
@@ -81,6 +81,10 @@ class IterationRecord:
     pipeline_overlap_gpu_s: float  # the part done while the rollout still generated
     tokens: float  # what the trainer trained (its tokens/s over the iteration)
     idle_s: float = 0.0  # nothing generating and the pipeline mostly idle (the boundary itself)
+    # Stages the job's driver timed one after another, each on its own group's GPUs (group kind
+    # -> busy GPU-seconds and the GPUs it ran on), the rollout's included; empty for an iteration
+    # the ticks measured (stages overlapping, GPUs lent between them).
+    stages: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def rollout_s(self) -> float:
@@ -105,6 +109,9 @@ class IterationRecord:
         # A field added since the state was written keeps its default.
         values: dict[str, Any] = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         values["placement"] = Placement(values["placement"])
+        values["stages"] = {
+            kind: (float(gpu_s), int(gpus)) for kind, (gpu_s, gpus) in values.get("stages", {}).items()
+        }
         return cls(**values)
 
 
@@ -132,6 +139,17 @@ def measured_record(measured: MeasuredIteration, graph: Hypergraph, placement: P
         pipeline_overlap_gpu_s=0.0,
         tokens=measured.tokens,
         idle_s=max(0.0, measured.duration_s - worked),
+        stages={
+            ComponentKind.ROLLOUT.value: (
+                measured.generate_s * gpus(ComponentKind.ROLLOUT),
+                gpus(ComponentKind.ROLLOUT),
+            ),
+            **{
+                kind.value: (seconds * gpus(kind), gpus(kind))
+                for kind, seconds in measured.busy_s.items()
+                if seconds > 0 and gpus(kind) > 0
+            },
+        },
     )
 
 
@@ -242,12 +260,13 @@ class IterationLedger:
         little of it was seen (a scheduler started mid-iteration)."""
         if self.iteration is None or self.ticks < 3 or self.sums["rollout_body_s"] <= 0:
             return None
+        sums: dict[str, Any] = {name: self.sums[name] for name in _SUMS}
         return IterationRecord(
             iteration=self.iteration,
             placement=placement,
             duration_s=max(0.0, now - self.started_at),
             total_gpus=total_gpus,
-            **{name: self.sums[name] for name in _SUMS},
+            **sums,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -339,7 +358,11 @@ class PlacementModel:
     def disaggregated_s(self, record: IterationRecord, rollout_gpus: int) -> float:
         """The rollout's body on its ``rollout_gpus``, its tail on the engines that keep the
         stragglers while the rest serve the pipeline (after one trainer move), then the pipeline's
-        remaining work on every GPU, no less than its last mini-batch."""
+        remaining work on every GPU, no less than its last mini-batch. An iteration whose stages
+        were timed one after another on a disaggregated split lent nothing between them: it is
+        predicted stage by stage (``staged_s``)."""
+        if record.stages and record.placement is Placement.DISAGGREGATED:
+            return self.staged_s(record, {ComponentKind.ROLLOUT.value: rollout_gpus})
         n = max(1, record.total_gpus)
         rollout_gpus = min(max(1, rollout_gpus), n)
         body = record.rollout_body_gpu_s / rollout_gpus
@@ -358,6 +381,18 @@ class PlacementModel:
         last_minibatch = record.pipeline_gpu_s / max(1, self.n_minibatches) / n
         after = max(last_minibatch, left / n + (lend_s if left > 0 and tail <= lend_s else 0.0))
         return body + tail + after + record.idle_s
+
+    @staticmethod
+    def staged_s(record: IterationRecord, gpus: Mapping[str, int]) -> float:
+        """An iteration whose stages ran one after another, each on its own group's GPUs, with
+        the GPUs ``gpus`` gives a stage's group kind (the ones it ran on where not given): each
+        stage's busy GPU-seconds over its GPUs, plus the idle time. A stage's work is taken to
+        spread evenly over its GPUs (data parallel at a fixed global batch); where it does not
+        (a decode bound by memory bandwidth, a host short of cores) the split's measured outcome
+        says so (``MoveOutcomes``)."""
+        return record.idle_s + sum(
+            gpu_s / max(1, gpus.get(kind, held)) for kind, (gpu_s, held) in record.stages.items()
+        )
 
     @staticmethod
     def _overlap_in_body(record: IterationRecord, pipeline_gpus: int, body_s: float) -> float:
