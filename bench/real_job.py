@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from agents.backends.ray import LOOPBACK_ENV
 from agents.backends.ray.driver import rl_config
 from bench.stack import (
@@ -98,6 +100,8 @@ class JobShape:
     prompts: int = 16
     hidden_size: int = 64
     num_layers: int = 2
+    # dynarl's policy params (``policy.params``), as an operator would set them in the spec.
+    dynarl_params: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> JobShape:
@@ -108,6 +112,7 @@ class JobShape:
             prompts=args.prompts,
             hidden_size=args.hidden_size,
             num_layers=args.layers,
+            dynarl_params=tuple(args.dynarl_param),
         )
 
 
@@ -167,8 +172,16 @@ def job_spec(policy: str, shape: JobShape) -> dict[str, Any]:
             },
         },
         "components": components,
-        "policy": {"name": policy},
+        "policy": {"name": policy, **({"params": dict(shape.dynarl_params)} if policy == "dynarl" else {})},
     }
+
+
+def param_value(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` from the command line, the value read as YAML reads it (``false``, ``0.3``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,6 +198,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=0.5,
         help="the mean reward whose first iteration's time is reported (time to target)",
+    )
+    parser.add_argument(
+        "--dynarl-param",
+        type=param_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one of dynarl's policy params for its run (repeatable), e.g. colocate=false",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a job may take")
     parser.add_argument("--migrate", action="store_true", help="apply migrations to the configured database")

@@ -380,6 +380,19 @@ def test_a_boundary_learns_from_the_drivers_measurement_of_the_iteration_it_clos
         policy.replan_note
     )
     assert policy.replanner.last is not None and policy.replanner.last.idle_s == 3.0
+    # The driver's report of iteration 5 is not in when the next boundary comes (the reports
+    # and the iteration's advance travel separately): iteration 4 is not learnt a second time.
+    policy.ledger.start(5, 6.0)
+    learnt = policy.replanner.last
+    policy.observe_iteration(replace(older, iteration=4, duration_s=60.0))
+    assert policy.on_iteration_end(job(), 7.0) == []
+    assert policy.replanner.last is learnt
+    assert policy.replan_note.startswith("iteration 5: too little of it seen"), policy.replan_note
+    restored = policy_with(policy.state_to_json())
+    restored.observe_iteration(replace(older, iteration=4, duration_s=60.0))
+    restored.ledger.start(4, 8.0)
+    restored.on_iteration_end(job(), 9.0)
+    assert restored.replanner.last == learnt  # still learnt once, across the state's round trip
 
 
 def test_colocated_is_predicted_with_the_trainer_on_the_gpus_its_valid_sizes_allow() -> None:

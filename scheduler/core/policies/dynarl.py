@@ -237,6 +237,7 @@ class DynaRLPolicy(BasePolicy):
         self._loans_before_change: list[Loan] = []  # loans a refused placement change gives back
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
         self._measured: MeasuredIteration | None = None  # this tick's, from the job's driver
+        self._measured_learnt: int | None = None  # the last of the driver's iterations learnt from
         self._idle_note = ""  # why the latest tick moved nothing, for the tick's row
         self._rebase_open: tuple[str, float, float] | None = None  # kind, predicted gain s, s per work
         self._ever_ahead = False  # whether the rollout was ever seen generating ahead of the trainer
@@ -480,8 +481,17 @@ class DynaRLPolicy(BasePolicy):
         """The record of the iteration that just ended, learnt from; the ledger starts the next."""
         closing = self.ledger.iteration
         record = self.ledger.close(now, self.ledger.job_gpus_max, self.mode)
-        if self._measured is not None and closing is not None and self._measured.iteration >= closing:
-            record = measured_record(self._measured, graph, self.mode)
+        measured = self._measured
+        if (
+            measured is not None
+            and closing is not None
+            and measured.iteration >= closing
+            # Each measurement is learnt once: a boundary that finds the driver's report of the
+            # iteration it closes not in yet must not learn the previous one again.
+            and (self._measured_learnt is None or measured.iteration > self._measured_learnt)
+        ):
+            record = measured_record(measured, graph, self.mode)
+            self._measured_learnt = measured.iteration
         if record is None and closing is not None and self.param_bool("replan"):
             # Said at every boundary, so the trail never repeats an older iteration's reasoning.
             self.last_replan = (
@@ -1543,6 +1553,7 @@ class DynaRLPolicy(BasePolicy):
             "last_replan": self.last_replan,
             "rebase_open": list(self._rebase_open) if self._rebase_open is not None else None,
             "ever_ahead": self._ever_ahead,
+            "measured_learnt": self._measured_learnt,
         }
 
     def load_state(self, data: Mapping[str, Any]) -> None:
@@ -1560,6 +1571,8 @@ class DynaRLPolicy(BasePolicy):
         self._rollout_base = None if base is None else int(base)
         self.last_replan = str(data.get("last_replan", ""))
         self._ever_ahead = bool(data.get("ever_ahead", False))
+        learnt = data.get("measured_learnt")
+        self._measured_learnt = None if learnt is None else int(learnt)
         rebase = data.get("rebase_open")
         self._rebase_open = (str(rebase[0]), float(rebase[1]), float(rebase[2])) if rebase else None
 
