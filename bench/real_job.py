@@ -100,6 +100,7 @@ class JobShape:
     prompts: int = 16
     hidden_size: int = 64
     num_layers: int = 2
+    ppo_epochs: int = 1
     # dynarl's policy params (``policy.params``), as an operator would set them in the spec.
     dynarl_params: tuple[tuple[str, Any], ...] = ()
 
@@ -112,6 +113,7 @@ class JobShape:
             prompts=args.prompts,
             hidden_size=args.hidden_size,
             num_layers=args.layers,
+            ppo_epochs=args.ppo_epochs,
             dynarl_params=tuple(args.dynarl_param),
         )
 
@@ -164,6 +166,7 @@ def job_spec(policy: str, shape: JobShape) -> dict[str, Any]:
             "seed": shape.seed,
             "dataset_size": shape.prompts,
             "kl_coef": 0.02,
+            "ppo_epochs": shape.ppo_epochs,
             "model": {
                 "hidden_size": shape.hidden_size,
                 "num_layers": shape.num_layers,
@@ -193,6 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16, help="problems per iteration (8 samples each)")
     parser.add_argument("--hidden-size", type=int, default=64, help="the policy GPT's width")
     parser.add_argument("--layers", type=int, default=2, help="the policy GPT's depth")
+    parser.add_argument(
+        "--ppo-epochs",
+        type=int,
+        default=1,
+        help="optimizer steps on each iteration's batch (the trainer's work)",
+    )
     parser.add_argument(
         "--target-reward",
         type=float,

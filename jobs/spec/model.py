@@ -121,6 +121,8 @@ class RuntimeSpec:
     learning_rate: float = 5e-4
     kl_coef: float = 0.0
     micro_batch_size: int = 64
+    # Optimizer steps on each iteration's batch (PPO's epochs): the trainer's work per iteration.
+    ppo_epochs: int = 1
     warm_start_steps: int = 300
     # Rollout and inference engines: real SGLang where it is installed and CUDA is present, else
     # the CPU stand-in ("auto"); "sglang" fails a worker that cannot run it; "cpu" always the stand-in.
@@ -141,6 +143,7 @@ class RuntimeSpec:
             "learning_rate": self.learning_rate,
             "kl_coef": self.kl_coef,
             "micro_batch_size": self.micro_batch_size,
+            "ppo_epochs": self.ppo_epochs,
             "warm_start_steps": self.warm_start_steps,
         }
 
@@ -156,6 +159,7 @@ class RuntimeSpec:
             learning_rate=float(data["learning_rate"]),
             kl_coef=float(data["kl_coef"]),
             micro_batch_size=int(data["micro_batch_size"]),
+            ppo_epochs=int(data.get("ppo_epochs", 1)),
             warm_start_steps=int(data["warm_start_steps"]),
             engine=str(data.get("engine", "auto")),
             routing=str(data.get("routing", "priority")),

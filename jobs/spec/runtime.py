@@ -27,6 +27,7 @@ RUNTIME_KEYS: Final = (
     "learning_rate",
     "kl_coef",
     "micro_batch_size",
+    "ppo_epochs",
     "warm_start_steps",
     "routing",
 )
@@ -49,6 +50,9 @@ MAX_HIDDEN: Final = 4096
 MAX_LAYERS: Final = 48
 MAX_POSITIONS: Final = 8192
 MAX_DIGITS: Final = 64
+MAX_PPO_EPOCHS: Final = (
+    64  # optimizer steps per batch; PPO takes a few, far past that the ratio is clipped flat
+)
 # An agentic episode sums workload.max_turns numbers with the calculator.
 MAX_AGENTIC_TURNS: Final = 32
 
@@ -107,6 +111,8 @@ def read_runtime(
             or 1.0,
             kl_coef=section.number("kl_coef", defaults.kl_coef, minimum=0.0, maximum=100.0) or 0.0,
             micro_batch_size=section.integer("micro_batch_size", defaults.micro_batch_size, minimum=1) or 1,
+            ppo_epochs=section.integer("ppo_epochs", defaults.ppo_epochs, minimum=1, maximum=MAX_PPO_EPOCHS)
+            or 1,
             warm_start_steps=section.integer(
                 "warm_start_steps", defaults.warm_start_steps, minimum=0, maximum=1_000_000
             )

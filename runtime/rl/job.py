@@ -85,6 +85,10 @@ class RLJobConfig:
     # Trainer (TrainerConfig's fields; the global batch size follows from the two above).
     learning_rate: float = 1e-4
     micro_batch_size: int = 16
+    # Optimizer steps on each iteration's batch (PPO's epochs; verl's ``ppo_epochs``): after the
+    # first, the policy has moved off the one that sampled the batch, and the clipped ratio
+    # bounds how far each further step takes it.
+    ppo_epochs: int = 1
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -106,6 +110,7 @@ class RLJobConfig:
         "group_size",
         "max_new_tokens",
         "micro_batch_size",
+        "ppo_epochs",
         "warm_start_steps",
         "warm_start_batch_size",
         "warm_start_warmup_steps",
@@ -139,6 +144,7 @@ class RLJobConfig:
             "group_size": 2,
             "max_new_tokens": 1,
             "micro_batch_size": 1,
+            "ppo_epochs": 1,
             "warm_start_steps": 0,
             "warm_start_batch_size": 1,
             "warm_start_warmup_steps": 0,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -378,8 +379,9 @@ def run_iteration(
     """One iteration of the job: generate ``group_size`` responses to each of the iteration's
     problems on the rollout ``engines`` (multi-turn episodes through ``agent`` for a calculator
     task), score them, ask the reference for its log-probs (only when the KL term is on), take
-    one trainer step on the global batch, push the new weights and check that every rollout
-    engine reports them."""
+    ``ppo_epochs`` trainer steps on the global batch, push the new weights and check that every
+    rollout engine reports them. The report's loss, KL, clip fraction and gradient norm are the
+    means over those steps."""
     if reference is None and config.grpo.kl_coef > 0:
         raise ValueError("kl_coef > 0 needs a reference scorer")
     if config.task.calculator != (agent is not None):
@@ -399,7 +401,9 @@ def run_iteration(
     if config.grpo.kl_coef > 0 and reference is not None:
         reference_logprobs = reference.response_logprobs([(s.prompt_ids, s.response_ids) for s in samples])
     referenced = time.perf_counter()
-    metrics = trainer.train_step(build_trajectories(samples, rewards, reference_logprobs, iteration))
+    trajectories = build_trajectories(samples, rewards, reference_logprobs, iteration)
+    steps = [trainer.train_step(trajectories) for _ in range(config.ppo_epochs)]
+    metrics = steps[-1]
     trained = time.perf_counter()
     version = trainer.push_weights()
     pushed = time.perf_counter()
@@ -427,7 +431,7 @@ def run_iteration(
         response_length=LengthStats.of([len(sample.response_ids) for sample in samples]),
         truncated=sum(1 for sample in samples if sample.finish_type == "length") / len(samples),
         tokens_generated=sum(len(sample.response_ids) for sample in samples),
-        tokens_trained=metrics.grpo.response_tokens,
+        tokens_trained=steps[0].grpo.response_tokens,
         samples_per_engine=tuple(engine_counts.get(index, 0) for index in range(len(pool.names))),
         seconds=PhaseSeconds(
             generate=generated - started,
@@ -437,12 +441,12 @@ def run_iteration(
             push=pushed - trained,
             verify=verified - pushed,
         ),
-        loss=metrics.grpo.loss,
-        policy_loss=metrics.grpo.policy_loss,
-        kl=metrics.grpo.kl if reference_logprobs is not None else None,
-        clip_fraction=metrics.grpo.clip_fraction,
-        grad_norm=metrics.grad_norm,
-        stale_token_fraction=metrics.stale_token_fraction,
+        loss=statistics.fmean(step.grpo.loss for step in steps),
+        policy_loss=statistics.fmean(step.grpo.policy_loss for step in steps),
+        kl=statistics.fmean(step.grpo.kl for step in steps) if reference_logprobs is not None else None,
+        clip_fraction=statistics.fmean(step.grpo.clip_fraction for step in steps),
+        grad_norm=statistics.fmean(step.grad_norm for step in steps),
+        stale_token_fraction=steps[0].stale_token_fraction,
         resumed_samples=sum(1 for sample in samples if sample.attempts > 1),
         agentic=None if agentic is None else AgenticReport.of(agentic),
     )

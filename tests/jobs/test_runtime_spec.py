@@ -62,6 +62,7 @@ def test_the_runtime_section_is_read_and_stored() -> None:
         "learning_rate": 0.002,
         "kl_coef": 0.0,
         "micro_batch_size": 4,
+        "ppo_epochs": 3,
         "warm_start_steps": 30,
         "engine": "cpu",
         "routing": "priority",
@@ -71,6 +72,7 @@ def test_the_runtime_section_is_read_and_stored() -> None:
     assert spec.runtime.model == RuntimeModelSpec(32, 1, 2, 64, 128)
     assert (spec.runtime.max_digits, spec.runtime.seed, spec.runtime.warm_start_steps) == (3, 5, 30)
     assert spec.runtime.dataset_size == 16 and spec.runtime.engine == "cpu"
+    assert spec.runtime.ppo_epochs == 3
     assert spec.to_json()["runtime"] == runtime
 
 
@@ -94,6 +96,8 @@ def test_a_sim_job_has_no_runtime() -> None:
         ({"temperature": 0}, "runtime.temperature", "must be greater than 0"),
         ({"learning_rate": "fast"}, "runtime.learning_rate", "must be a number"),
         ({"micro_batch_size": 0}, "runtime.micro_batch_size", "must be at least 1"),
+        ({"ppo_epochs": 0}, "runtime.ppo_epochs", "must be at least 1"),
+        ({"ppo_epochs": 65}, "runtime.ppo_epochs", "must be at most 64"),
         ({"dataset_size": 0}, "runtime.dataset_size", "must be at least 1"),
         ({"optimizer": "sgd"}, "runtime.optimizer", "unknown key"),
         ({"engine": "vllm"}, "runtime.engine", "must be one of auto, sglang, cpu"),

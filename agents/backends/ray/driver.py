@@ -116,6 +116,7 @@ def rl_config(spec: Mapping[str, Any]) -> RLJobConfig:
             temperature=float(runtime["temperature"]),
             learning_rate=float(runtime["learning_rate"]),
             micro_batch_size=int(runtime["micro_batch_size"]),
+            ppo_epochs=int(runtime.get("ppo_epochs", 1)),
             grpo=GRPOConfig(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=float(runtime["kl_coef"])),
             dataset_size=None if runtime.get("dataset_size") is None else int(runtime["dataset_size"]),
             warm_start_steps=int(runtime["warm_start_steps"]),

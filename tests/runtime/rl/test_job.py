@@ -85,6 +85,7 @@ def test_the_config_round_trips_through_json_and_derives_the_trainer_and_warm_st
         ({"temperature": 0.0}, "temperature"),
         ({"learning_rate": -1.0}, "learning_rate"),
         ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"ppo_epochs": 0}, "ppo_epochs"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"warm_start_steps": -1}, "warm_start_steps"),
         ({"seed": -1}, "seed"),

@@ -135,6 +135,22 @@ def test_an_iteration_trains_pushes_and_reports_what_it_did(warm_start_cache: Pa
     assert second.kl is not None and second.kl > max(2 * abs(first.kl), 1e-6)
 
 
+def test_ppo_epochs_take_that_many_steps_on_one_batch_and_push_the_last(warm_start_cache: Path) -> None:
+    config = dataclasses.replace(CONFIG, ppo_epochs=3)
+    weights = warm_start_weights(config, warm_start_cache)
+    with local_job(config, weights, rollout_engines=2) as job:
+        first = run_iteration(config, "job1", 0, job.engines, job.reward, job.reference, job.group)
+        second = run_iteration(config, "job1", 1, job.engines, job.reward, job.reference, job.group)
+        versions = [engine.weight_version() for engine in job.engines]
+    # Three optimizer steps an iteration, each a weight version; the engines serve the last.
+    assert (first.trainer_step, second.trainer_step) == (3, 6)
+    assert (first.weight_version, second.weight_version) == ("3", "6") and versions == ["6", "6"]
+    assert second.sampled_weight_versions == ("3",)
+    # The batch is trained three times but counted once.
+    assert first.tokens_trained == first.tokens_generated
+    assert first.grad_norm > 0 and second.grad_norm > 0
+
+
 def test_the_reward_is_exact_match_on_the_sampled_text(warm_start_cache: Path) -> None:
     weights = warm_start_weights(CONFIG, warm_start_cache)
     config = dataclasses.replace(CONFIG, grpo=GRPOConfig(kl_coef=0.0))
