@@ -294,23 +294,24 @@ def latest_measured_iteration(job: Job) -> MeasuredIteration | None:
     """The job's latest finished iteration as its driver measured it (a real runtime reports
     each phase's seconds in its iteration result), or None before one or for a simulated job.
 
-    Its duration runs from the previous iteration's result (or the job's start) to its own, less
-    the time the job spent being placed anew in between (that is the switch's, not the
-    iteration's)."""
+    Its duration runs from the previous iteration's result to its own, less the time the job
+    spent being placed anew in between (that is the switch's, not the iteration's). Without the
+    previous iteration's result (the job's first), it is the sum of its phases: what came before
+    them was the job's setup (workers starting, the warm start loading), not the iteration."""
     rows = list(IterationResult.objects.filter(job=job).order_by("-iteration")[:2])
     if not rows or not isinstance(rows[0].metrics.get("seconds"), dict):
         return None
     latest = rows[0]
-    previous = rows[1] if len(rows) > 1 and rows[1].iteration == latest.iteration - 1 else None
-    began = previous.recorded_at if previous is not None else job.started_at
-    if began is None:
-        return None
-    changes = PlacementChange.objects.filter(
-        job=job, finished_at__gt=began, finished_at__lte=latest.recorded_at
-    )
-    replacing = sum((c.finished_at - c.created_at).total_seconds() for c in changes if c.finished_at)
-    duration = (latest.recorded_at - began).total_seconds() - replacing
     phases = latest.metrics["seconds"]
+    previous = rows[1] if len(rows) > 1 and rows[1].iteration == latest.iteration - 1 else None
+    if previous is None:
+        duration = sum(float(value) for value in phases.values())
+    else:
+        changes = PlacementChange.objects.filter(
+            job=job, finished_at__gt=previous.recorded_at, finished_at__lte=latest.recorded_at
+        )
+        replacing = sum((c.finished_at - c.created_at).total_seconds() for c in changes if c.finished_at)
+        duration = (latest.recorded_at - previous.recorded_at).total_seconds() - replacing
     if duration <= 0:
         return None
     return MeasuredIteration(
