@@ -2,10 +2,13 @@
 (scheduler/core/migration.py) on a real job on the two-node loopback cluster. Growing onto
 another node moves the exact state and the job trains on at the new size; shrinking off the rank
 that pushes the weights hands the push to the staying rank; a new rank dying before the transfer
-rolls back to the old layout, which goes on as if nothing happened."""
+rolls back to the old layout, which goes on as if nothing happened, and so does one killed in the
+middle of the transfer."""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ import ray
 from agents.backends.base import StepFailed
 from agents.backends.ray import driver as job_driver
 from agents.backends.ray.backend import RayBackend
+from runtime.rl import state_transfer
 from tests.ray_backend.test_backend import entry_until, tiny_spec, worker
 
 OLD = "actor-w0"
@@ -151,10 +155,22 @@ def test_growing_onto_another_node_and_shrinking_off_the_pushing_rank(agents: di
     assert entry["results"][-1]["samples"] == 8
 
 
-def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trains_on(
-    agents: dict[str, RayBackend],
-) -> None:
-    job = 42
+def die_once_the_first_tensor_arrived(rank_actor: Any) -> None:
+    """Run in a new rank's own process (``__ray_call__``): the receive loop checks each tensor of
+    the state as it lands, so the first check SIGKILLs the process, with the first tensor in and
+    the rest of the transfer (the other tensors, the sender's checksums, the verdict) to come."""
+
+    def killed(tensor: Any) -> int:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    state_transfer._checksum = killed
+
+
+def grow_and_lose_the_new_rank(agents: dict[str, RayBackend], job: int, kill: str) -> None:
+    """Grow the trainer of a job that trained iteration 0 by one rank on node-b, lose the new
+    rank (``kill``: "before" the transfer step, or "mid" transfer), see the transfer step fail,
+    roll back, and train on with the old rank alone, its state as it was."""
     old = f"j{job}-{OLD}"
     launch(agents, job)
     train(agents, job, 0, [old])
@@ -168,9 +184,14 @@ def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trai
             step(job, migration, 1, "start_workers", [new], [device]),
         ],
     )
-    ray.kill(rank(new), no_restart=True)
-    with pytest.raises(StepFailed, match="transfer_state"):
+    if kill == "before":
+        ray.kill(rank(new), no_restart=True)
+    else:
+        ray.get(rank(new).__ray_call__.remote(die_once_the_first_tensor_arrived))
+    with pytest.raises(StepFailed, match="transfer_state") as failed:
         agents["node-b"].execute_step(step(job, migration, 2, "transfer_state", [new], [device]))
+    if kill == "mid":  # the transfer had begun: it is what failed, not a missing rank
+        assert "the state transfer failed: actor-" in str(failed.value), failed.value
     # The rollback: the compensations of the steps that ran, newest first.
     run_steps(
         agents,
@@ -186,6 +207,20 @@ def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trai
     entry = train(agents, job, 1, [old])
     assert entry["results"][-1]["weight_version"] == "2"
     assert not [n for n in job_driver.job_actors(job) if n.endswith(new)]
+
+
+def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trains_on(
+    agents: dict[str, RayBackend],
+) -> None:
+    grow_and_lose_the_new_rank(agents, 42, kill="before")
+
+
+def test_a_new_rank_killed_mid_transfer_rolls_back_and_the_old_layout_trains_on(
+    agents: dict[str, RayBackend],
+) -> None:
+    # The sender, a rank of the running trainer, is in the middle of the transfer when its peer
+    # dies: it must give up at once (the backend abandons the transfer) and keep its state.
+    grow_and_lose_the_new_rank(agents, 44, kill="mid")
 
 
 def test_steps_of_an_unknown_strategy_are_refused_with_a_clear_error(agents: dict[str, RayBackend]) -> None:
