@@ -57,8 +57,9 @@ class WeightVersionMismatchError(RuntimeError):
 class TrainerGroup(Protocol):
     """The trainer's data-parallel ranks, driven as one."""
 
-    def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepMetrics:
-        """One optimizer step on the global batch (every rank gets all of it)."""
+    def train(self, trajectories: Sequence[Trajectory], epochs: int) -> list[TrainStepMetrics]:
+        """``epochs`` optimizer steps on the global batch (every rank gets all of it), one after
+        the other with nothing between them: an iteration is trained whole or not at all."""
         ...
 
     def push_weights(self) -> str:
@@ -169,8 +170,8 @@ class InProcessTrainerGroup:
         self.trainer = trainer
         self.pusher = pusher
 
-    def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepMetrics:
-        return self.trainer.train_step(trajectories)
+    def train(self, trajectories: Sequence[Trajectory], epochs: int) -> list[TrainStepMetrics]:
+        return [self.trainer.train_step(trajectories) for _ in range(epochs)]
 
     def push_weights(self) -> str:
         version = self.trainer.weight_version
@@ -402,7 +403,7 @@ def run_iteration(
         reference_logprobs = reference.response_logprobs([(s.prompt_ids, s.response_ids) for s in samples])
     referenced = time.perf_counter()
     trajectories = build_trajectories(samples, rewards, reference_logprobs, iteration)
-    steps = [trainer.train_step(trajectories) for _ in range(config.ppo_epochs)]
+    steps = trainer.train(trajectories, config.ppo_epochs)
     metrics = steps[-1]
     trained = time.perf_counter()
     version = trainer.push_weights()

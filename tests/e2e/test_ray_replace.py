@@ -64,10 +64,10 @@ def test_a_real_job_placed_anew_mid_way_resumes_its_trainer_and_succeeds(
     change.refresh_from_db()
     assert change.state == PlacementChangeState.DONE, change.error
     # Every node's stop kept (or found kept) the trainer's state after the iteration before the
-    # one redone.
+    # one redone, or after that one itself if the trainer had trained it by the time the stop came.
     stops = AgentCommand.objects.filter(kind="stop_workers", payload__redo_from_iteration=redone)
     outcomes = [c.result["result"]["trainer_state"][str(job.pk)] for c in stops]
-    assert outcomes and all(o["kept"] and o["iteration"] == redone - 1 for o in outcomes), outcomes
+    assert outcomes and all(o["kept"] and o["iteration"] in (redone - 1, redone) for o in outcomes), outcomes
     # The change's audit trail says so too, node by node.
     launching = AuditEvent.objects.get(job=job, verb="placement_change.launching")
     reports = launching.payload["stop_reports"]

@@ -184,6 +184,49 @@ def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[
     assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
 
 
+def test_a_job_placed_anew_after_its_trainer_trained_the_iteration_to_redo_counts_it_trained(
+    agents: dict[str, RayBackend],
+) -> None:
+    """A re-placement's stop can reach the driver after its trainer trained the iteration the new
+    layout was to redo (an iteration's steps end well within the control plane's round trip, and
+    a trainer-bound job spends most of an iteration in them). The state after that iteration is
+    kept, the new layout's driver takes it as trained and reports its result again, and the job
+    goes on from the next iteration: every weight version once, nothing trained twice."""
+    job = 37
+    launch(agents, job)
+    for iteration in (0, 1):
+        observe_layout(agents, job, layout(job), iteration)
+        entry = entry_until(
+            agents["node-b"], job, lambda e, k=iteration: e["trained_iteration"] == k or "failure" in e
+        )
+        assert "failure" not in entry, entry
+    # The control plane places the job anew at the boundary it saw into iteration 1.
+    stops = [
+        agents[node].stop_workers(job, [w["worker"] for w in workers], redo_from_iteration=1)
+        for node, workers in layout(job).items()
+    ]
+    kept = [stop["trainer_state"][str(job)] for stop in stops]
+    assert all(outcome["kept"] and outcome["iteration"] == 1 for outcome in kept), kept
+
+    relaid = {
+        node: [{**w, "worker": w["worker"].replace("-w", "-p1w")} for w in workers]
+        for node, workers in layout(job).items()
+    }
+    for node, workers in relaid.items():
+        assert agents[node].launch_workers({"job": job, "spec": tiny_spec(f"job-{job}")}, workers)["ok"]
+    observe_layout(agents, job, relaid, 1)
+    entry = entry_until(agents["node-b"], job, lambda e: e["trained_iteration"] == 1 or "failure" in e)
+    assert "failure" not in entry, entry
+    assert [(r["iteration"], r["weight_version"]) for r in entry["results"]] == [(1, "2")]
+    observe_layout(agents, job, relaid, 2)
+    entry = entry_until(agents["node-b"], job, lambda e: e["trained_iteration"] == 2 or "failure" in e)
+    assert "failure" not in entry, entry
+    assert [(r["iteration"], r["weight_version"]) for r in entry["results"]] == [(1, "2"), (2, "3")]
+    for node, workers in relaid.items():
+        assert agents[node].stop_workers(job, [w["worker"] for w in workers])["ok"]
+    assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
+
+
 @pytest.mark.parametrize(("job", "group"), [(32, "rollout"), (36, "actor")])
 def test_a_worker_that_dies_fails_the_job_with_a_readable_reason(
     agents: dict[str, RayBackend], job: int, group: str

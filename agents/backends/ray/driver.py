@@ -295,20 +295,24 @@ class TrainingGate:
 
 class RayTrainerGroup:
     """The trainer's data-parallel ranks as the loop drives them: every rank takes the global
-    batch and the same step; rank 0 pushes the weights. A p2p migration's switch replaces
-    ``ranks`` (under the gate, so never in the middle of a step)."""
+    batch and the same steps; rank 0 pushes the weights. A p2p migration's switch replaces
+    ``ranks``, and a re-placement keeps the trainer's state, under the gate: never in the middle
+    of an iteration's steps."""
 
     def __init__(self, ranks: Sequence[Any], gate: TrainingGate | None = None) -> None:
         self.ranks = list(ranks)
         self.gate = gate or TrainingGate()
 
-    def train_step(self, trajectories: Sequence[Trajectory]) -> TrainStepMetrics:
+    def train(self, trajectories: Sequence[Trajectory], epochs: int) -> list[TrainStepMetrics]:
         batch = ray.put(list(trajectories))
+        steps: list[TrainStepMetrics] = []
         with self.gate.work(GATE_TIMEOUT_S):
-            metrics: list[TrainStepMetrics] = ray.get(
-                [rank.train_step.remote(batch) for rank in self.ranks], timeout=STEP_TIMEOUT_S
-            )
-        return metrics[0]
+            for _ in range(epochs):
+                metrics: list[TrainStepMetrics] = ray.get(
+                    [rank.train_step.remote(batch) for rank in self.ranks], timeout=STEP_TIMEOUT_S
+                )
+                steps.append(metrics[0])
+        return steps
 
     def push_weights(self) -> str:
         with self.gate.work(GATE_TIMEOUT_S):
@@ -432,6 +436,7 @@ class JobDriver:
         self._samples: dict[str, tuple[int, int]] = {}
         self._results: list[dict[str, Any]] = []
         self._failure: str | None = None
+        self._loop_ended = False
         self._trained_version: str | None = None  # the trainer's weight version after _trained
         self._kept = OncePerKey()  # keep_state's outcome, by the iteration redone
         self._workers: dict[str, Any] = {}  # member worker -> its actor, once found
@@ -521,11 +526,14 @@ class JobDriver:
     def keep_state(self, redo_from_iteration: int) -> dict[str, Any]:
         """Before the job is placed anew (every worker stops; the new layout's driver redoes
         ``redo_from_iteration``): write the trainer's state after the iteration before it where
-        the new driver reads it (``state_path``). From here on this driver's trainer takes no
-        step and its loop's failures are not the job's: its workers are about to stop. Every
-        node asks before it stops its workers; the first call does the work, the others get its
-        outcome. Returns ``kept`` and, when nothing was kept, why: the new driver then refuses
-        to resume rather than start over from the warm start."""
+        the new driver reads it (``state_path``), or after that iteration itself when the trainer
+        had trained it by the time the stop came (an iteration's steps can end well within the
+        control plane's round trip): the new driver then takes it as trained and reports its
+        result again. From here on this driver's trainer takes no step and its loop's failures
+        are not the job's: its workers are about to stop. Every node asks before it stops its
+        workers; the first call does the work, the others get its outcome. Returns ``kept`` and,
+        when nothing was kept, why: the new driver then refuses to resume rather than start
+        over from the warm start."""
         return self._kept.run(redo_from_iteration, lambda: self._keep(redo_from_iteration), failures=())
 
     def state_path(self) -> Path:
@@ -535,33 +543,47 @@ class JobDriver:
 
     def _keep(self, redo_from_iteration: int) -> dict[str, Any]:
         self.shutdown()
-        trained = redo_from_iteration - 1
-        if trained < 0:
-            self.state_path().unlink(missing_ok=True)
-            return {
-                "kept": False,
-                "why": "nothing was trained yet: the new trainer starts from the warm start",
-            }
+        nothing_yet = {
+            "kept": False,
+            "why": "nothing was trained yet: the new trainer starts from the warm start",
+        }
         if not self._trainer.ranks:
+            if redo_from_iteration == 0:
+                self.state_path().unlink(missing_ok=True)
+                return nothing_yet
             return {"kept": False, "why": "the trainer was not set up"}
+        rank0 = self._trainer.ranks[0]
         try:
-            # Wait for a step or push under way to end, and let no other begin.
+            # Wait for an iteration's steps or a push under way to end, and let no other begin.
             self._trainer.gate.hold("re-placement", KEEP_STATE_TIMEOUT_S)
+            current = str(ray.get(rank0.weight_version.remote(), timeout=KEEP_STATE_TIMEOUT_S))
+            if current != self._recorded_version():
+                # An iteration's steps ended and its push or check has not: let the loop finish
+                # it (nothing new starts: the driver is shut down), then keep the state after it.
+                self._trainer.gate.release("re-placement")
+                self._await_recorded(current, KEEP_STATE_TIMEOUT_S)
+                self._trainer.gate.hold("re-placement", KEEP_STATE_TIMEOUT_S)
         except TimeoutError as exc:
             return {"kept": False, "why": str(exc)}
+        except RayError as exc:
+            return {"kept": False, "why": f"the trainer's rank 0 did not answer: {_first_line(exc)}"}
         with self._lock:
-            version, last = self._trained_version, self._trained
+            version, trained = self._trained_version, self._trained
+            result = next((r for r in reversed(self._results) if r.get("iteration") == trained), None)
+        if trained is None and redo_from_iteration == 0:
+            self.state_path().unlink(missing_ok=True)
+            return nothing_yet
         try:
-            rank0 = self._trainer.ranks[0]
-            current = str(ray.get(rank0.weight_version.remote(), timeout=KEEP_STATE_TIMEOUT_S))
-            if last != trained or current != version:
+            if trained not in (redo_from_iteration - 1, redo_from_iteration) or current != version:
                 return {
                     "kept": False,
-                    "why": f"the trainer is at weight version {current} (iteration {last} trained), not the "
-                    f"state after iteration {trained} that the new layout redoes iteration "
-                    f"{redo_from_iteration} from",
+                    "why": f"the trainer is at weight version {current} (iteration {trained} trained), not "
+                    f"the state after iteration {redo_from_iteration - 1} or {redo_from_iteration} that the "
+                    f"new layout goes on from",
                 }
-            cursor = {"trained_iteration": trained, "weight_version": version}
+            cursor: dict[str, Any] = {"trained_iteration": trained, "weight_version": version}
+            if trained == redo_from_iteration and result is not None:
+                cursor["result"] = result
             kept = ray.get(
                 rank0.keep_state.remote(str(self.state_path()), cursor), timeout=KEEP_STATE_TIMEOUT_S
             )
@@ -597,6 +619,14 @@ class JobDriver:
             return self._view
 
     def _run(self) -> None:
+        try:
+            self._run_loop()
+        finally:
+            with self._changed:
+                self._loop_ended = True
+                self._changed.notify_all()
+
+    def _run_loop(self) -> None:
         try:
             self._loop()
         except JobFailed as exc:
@@ -652,8 +682,8 @@ class JobDriver:
         for iteration in range(self.config.iterations):
             # The control plane opens iteration k once every trainer node reported k - 1 trained.
             view = self._wait_for(opened(iteration))
-            if view.iteration > iteration:
-                continue  # opened past (a driver restarted mid-job): already trained
+            if view.iteration > iteration or self._trained_through(iteration):
+                continue  # already trained: by a driver restarted mid-job, or the layout this one replaced
             self._set(phase="generating", iteration=iteration, samples={}, trained_samples=0)
             report = run_iteration(
                 self.config,
@@ -668,6 +698,24 @@ class JobDriver:
             )
             self._record(report, view)
         self.state_path().unlink(missing_ok=True)  # the job is done: nothing will resume from it
+
+    def _recorded_version(self) -> str | None:
+        with self._lock:
+            return self._trained_version
+
+    def _await_recorded(self, version: str, timeout_s: float) -> None:
+        """Wait until the loop has recorded the iteration that left the trainer at ``version``."""
+        with self._changed:
+            if not self._changed.wait_for(
+                lambda: self._trained_version == version or self._loop_ended, timeout=timeout_s
+            ):
+                raise TimeoutError(
+                    f"the iteration at weight version {version} was not recorded within {timeout_s:g} s"
+                )
+
+    def _trained_through(self, iteration: int) -> bool:
+        with self._lock:
+            return self._trained is not None and self._trained >= iteration
 
     def _resolve(self, view: _View) -> dict[str, Any]:
         """Each member's actor handle, by worker name (actors are named ``<node>/<worker>``)."""
@@ -742,15 +790,25 @@ class JobDriver:
                 f"the job resumes at iteration {view.iteration} but its trainer's state was not kept: "
                 f"{_first_line(exc)}"
             ) from exc
-        trained = loaded[0]["cursor"].get("trained_iteration")
-        if trained != view.iteration - 1:
+        cursor = loaded[0]["cursor"]
+        trained = cursor.get("trained_iteration")
+        if trained not in (view.iteration - 1, view.iteration):
             raise JobFailed(
                 f"the job resumes at iteration {view.iteration} but the trainer state kept at {path} is "
                 f"after iteration {trained}"
             )
         with self._lock:
             self._trained = trained
-            self._trained_version = str(loaded[0]["cursor"].get("weight_version", loaded[0]["step"]))
+            self._trained_version = str(cursor.get("weight_version", loaded[0]["step"]))
+            result = cursor.get("result")
+            if trained == view.iteration and isinstance(result, Mapping):
+                # The old layout trained the iteration this one was to redo before it stopped: it
+                # counts as trained, and its result goes out again (the control plane keeps one
+                # per iteration), as the old driver may have stopped before a heartbeat took it.
+                self._iteration = trained
+                self._trained_samples = int(result.get("samples", 0))
+                self._results.append(dict(result))
+                self._phase = "trained"
         log.info("job %s: resumed at iteration %s from the trainer's kept state", self.job_id, view.iteration)
         return True
 
@@ -802,6 +860,7 @@ class JobDriver:
             self._trained_samples = report.samples
             self._results.append(result)
             self._phase = "trained"
+            self._changed.notify_all()  # a re-placement waiting for this iteration to be recorded
 
 
 def opened(iteration: int) -> Callable[[_View], bool]:
