@@ -230,14 +230,16 @@ def real_job(name: str, **workload: Any) -> dict[str, Any]:
     }
 
 
-def moving_real_job(name: str, iterations: int, rollout: int) -> dict[str, Any]:
+def moving_real_job(
+    name: str, iterations: int, rollout: int, reward: int = 2, **workload: Any
+) -> dict[str, Any]:
     """The real job laid out for the trainer to grow from one rank to four by GPUs of its rollout
-    (``rollout`` engines, down to one) and of its two reward workers (down to one)."""
-    spec = real_job(name, iterations=iterations)
+    (``rollout`` engines, down to one) and of its ``reward`` workers (down to one)."""
+    spec = real_job(name, iterations=iterations, **workload)
     spec["components"] = [
         {"name": "rollout", "kind": "rollout", "workers": rollout, "min_workers": 1},
         {"name": "reference", "kind": "inference", "workers": 1},
-        {"name": "reward", "kind": "reward", "workers": 2, "min_workers": 1},
+        {"name": "reward", "kind": "reward", "workers": reward, "min_workers": 1},
         {
             "name": "actor",
             "kind": "actor",

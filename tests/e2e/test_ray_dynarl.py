@@ -15,6 +15,7 @@ batch across it, and the reward rises as it does without moves."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -23,7 +24,7 @@ from common.models import ActorType, AuditEvent
 from jobs.models import JobState
 from scheduler.core.decisions import Reason
 from scheduler.models import Migration, MigrationState, PredictorSample
-from tests.e2e.helpers import real_job, start_ray_agents, submit, wait_released, wait_running
+from tests.e2e.helpers import moving_real_job, start_ray_agents, submit, wait_released, wait_running
 from tests.e2e.test_ray_job import nothing_left, wait_state
 from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
@@ -38,22 +39,11 @@ PPO_EPOCHS = 8
 MARGIN = 0.15
 
 
-def trainer_bound_job(name: str) -> dict[str, object]:
-    spec = real_job(name, iterations=ITERATIONS, prompts_per_iteration=PROMPTS)
+def trainer_bound_job(name: str) -> dict[str, Any]:
+    """Five rollout engines, a reference and a reward worker, and one trainer rank that may grow
+    to two or four: bench.real_job's split of eight GPUs, under dynarl."""
+    spec = moving_real_job(name, ITERATIONS, rollout=5, reward=1, prompts_per_iteration=PROMPTS)
     spec["runtime"] = {"dataset_size": PROMPTS, "kl_coef": 0.02, "ppo_epochs": PPO_EPOCHS}
-    spec["components"] = [
-        {"name": "rollout", "kind": "rollout", "workers": 5, "min_workers": 1},
-        {"name": "reference", "kind": "inference", "workers": 1},
-        {"name": "reward", "kind": "reward", "workers": 1},
-        {
-            "name": "actor",
-            "kind": "actor",
-            "workers": 1,
-            "max_workers": 4,
-            "parallelism": {"valid_dp": [1, 2, 4]},
-            "depends_on": ["rollout", "reward", "reference"],
-        },
-    ]
     spec["policy"] = {"name": "dynarl"}
     return spec
 
