@@ -50,9 +50,8 @@ MAX_HIDDEN: Final = 4096
 MAX_LAYERS: Final = 48
 MAX_POSITIONS: Final = 8192
 MAX_DIGITS: Final = 64
-MAX_PPO_EPOCHS: Final = (
-    64  # optimizer steps per batch; PPO takes a few, far past that the ratio is clipped flat
-)
+# Optimizer steps per batch: PPO takes a few; far past that every ratio is clipped flat.
+MAX_PPO_EPOCHS: Final = 64
 # An agentic episode sums workload.max_turns numbers with the calculator.
 MAX_AGENTIC_TURNS: Final = 32
 
