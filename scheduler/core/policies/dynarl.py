@@ -632,7 +632,11 @@ class DynaRLPolicy(BasePolicy):
                     continue
                 candidate = self._rebase_candidate(record, donor, recipient, devices, saving)
                 saving_s = saving * record.duration_s
-                if PAYBACK_ITERATIONS * saving_s <= candidate.migration_cost_s:
+                # A split timed by the driver is weighed against the move's cost: on a real job a
+                # move takes seconds against iterations of seconds. (The ticks' path is unchanged:
+                # its iterations run far longer than a move, and the live sim's move estimates
+                # swing with the host's load.)
+                if record.stages and PAYBACK_ITERATIONS * saving_s <= candidate.migration_cost_s:
                     declined.append(
                         f"{len(devices)} GPUs of {donor.id} to {recipient.id} would save {seconds(saving_s)}s an "
                         f"iteration, which does not pay a {candidate.migration_cost_s:.1f}s move back within "
