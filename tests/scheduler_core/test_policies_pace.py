@@ -313,6 +313,47 @@ def test_a_group_done_with_its_share_of_the_iteration_may_give_up_every_gpu():
     assert math.isinf(model.finish_s({"inference": 0, "actor": 8}))
 
 
+def test_once_the_rollout_is_done_a_synchronous_trainer_inherits_the_upstream_gpus():
+    # The rollout's batch is over; the log-prob group has 200 GPU-seconds queued on 4 GPUs and
+    # the trainer 500 on 4. When the log-prob group is done, its GPUs and the rollout's join the
+    # trainer, up to its largest valid size, so GPUs that finish the log-probs sooner bring
+    # that forward.
+    graph = job(inference=4)
+    memory = PaceMemory()
+    memory.batches_started = 1
+    memory.previous_trained_tokens = 100_000.0
+    memory.batch_done = True
+    signals = tick(graph, progress=1.0, in_flight=0)
+    signals["inference"] = make_signals(graph.node("inference"), queue_length=3, in_flight=4, progress=0.5)
+    signals["actor"] = make_signals(graph.node("actor"), queue_length=2, in_flight=1, progress=0.5)
+    model = model_for(graph, signals, memory, now=100.0)
+    assert model.trainer_inherits
+    reach = model.trainer_cap["actor"]
+    assert reach > 4
+    upstream = 50_000.0 / 400.0  # the log-prob group's remaining GPU-seconds
+    # No sooner, either, than all the pipeline's work on the GPUs that have work now.
+    inherited = upstream / 4 + (500.0 - 4 * upstream / 4) / reach
+    assert model.finish_s() == pytest.approx(100.0 + max(inherited, (upstream + 500.0) / 8))
+    # The idle rollout's GPUs to the log-prob group: it is done in half the time, the trainer
+    # inherits sooner. At its size now the trainer would have seen no gain at all.
+    sooner = model.finish_s({"rollout": 0, "inference": 12})
+    inherited = upstream / 12 + (500.0 - 4 * upstream / 12) / reach
+    assert sooner == pytest.approx(100.0 + max(inherited, (upstream + 500.0) / 16))
+    assert sooner < model.finish_s() - 10.0
+
+    # While the rollout still generates, its end is an estimate: the trainer keeps its size.
+    generating = tick(graph, progress=0.9, in_flight=8)
+    generating["inference"] = signals["inference"]
+    generating["actor"] = signals["actor"]
+    memory.batch_done = False
+    assert not model_for(graph, generating, memory, now=100.0).trainer_inherits
+    # Nor does it inherit when the rollout generates ahead (asynchronous RL): the rollout needs
+    # its GPUs for the next batch.
+    memory.batch_done = True
+    memory.batches_started = 2
+    assert not model_for(graph, signals, memory, now=100.0).trainer_inherits
+
+
 def test_an_empty_rollout_teaches_the_memory_nothing():
     memory = PaceMemory()
     graph = job()

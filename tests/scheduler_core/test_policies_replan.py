@@ -491,6 +491,21 @@ def test_a_move_its_iteration_outlived_leaves_no_outcome() -> None:
     assert outcomes.kinds == {}
 
 
+def test_a_move_whose_recipient_finished_its_share_before_it_was_measured_leaves_no_outcome() -> None:
+    # The log-prob group got GPUs, cleared its queue and went idle before a window could show it
+    # at work with them: its throughput by then says its input ran out, not that the move lost.
+    outcomes = MoveOutcomes(probation_iterations=3)
+    for iteration in range(MIN_OUTCOMES):
+        outcomes.opened(OpenOutcome("rollout>inference", "inference", 100.0, 50.0, measure_after=10.0))
+        outcomes.settle(12.0, {"inference": 0.0}, iteration, finished={"inference"})
+    assert outcomes.open == [] and outcomes.kinds == {}
+    assert outcomes.trust("rollout>inference", MIN_OUTCOMES) == (1.0, None)
+    # One still at work and short of the prediction is measured as before.
+    outcomes.opened(OpenOutcome("rollout>inference", "inference", 100.0, 50.0, measure_after=10.0))
+    outcomes.settle(12.0, {"inference": 90.0}, 0, finished={"actor"})
+    assert outcomes.kinds["rollout>inference"].outcomes == 1
+
+
 def test_a_re_planned_split_is_held_against_the_next_iteration() -> None:
     policy = policy_with()
     policy._rollout_base = 8

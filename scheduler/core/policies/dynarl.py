@@ -328,7 +328,13 @@ class DynaRLPolicy(BasePolicy):
         self._recipient_cache = None
         base = model.finish_s()
         self.outcomes.settle(
-            now, {g: s.tokens_per_s for g, s in signals.items() if g not in busy}, graph.iteration
+            now,
+            {g: s.tokens_per_s for g, s in signals.items() if g not in busy},
+            graph.iteration,
+            # In a synchronous iteration a group done with its share hands its GPUs on to the
+            # trainer, so having finished sooner is what a move to it gained; in an asynchronous
+            # job it waits for the next batch, and the idle window is the move's outcome.
+            finished=_finished_groups(graph, signals) if self._synchronous(model) else (),
         )
 
         considered: list[Candidate] = []
@@ -1590,6 +1596,15 @@ def _smallest_valid_gpus(node: HyperNode) -> int:
     if workers > limit:
         return node.gpus
     return largest_valid_gpus(node, workers * node.parallelism.gpus_per_worker)
+
+
+def _finished_groups(graph: Hypergraph, signals: Mapping[str, GroupSignals]) -> set[str]:
+    """Groups with no GPUs left, or done with their share of the iteration and nothing queued."""
+
+    def done(sig: GroupSignals | None) -> bool:
+        return sig is not None and sig.progress >= 1.0 - 1e-9 and sig.queue_length == 0 and sig.in_flight == 0
+
+    return {node.id for node in graph.nodes if node.gpus <= 0 or done(signals.get(node.id))}
 
 
 def _has_work_waiting(node: HyperNode, sig: GroupSignals, u_low: float) -> bool:

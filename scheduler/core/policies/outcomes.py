@@ -15,12 +15,16 @@ group gave to which; a re-planned base split is judged by its next iteration ins
   being made for ``probation_iterations`` iterations, then gets one fresh trial, since the job
   may have changed.
 
-A move whose iteration ends before it could be measured leaves no outcome.
+A move whose iteration ends before it could be measured leaves no outcome, nor does one whose
+recipient, in a synchronous iteration, finished its share of the iteration or gave up its GPUs by
+then: its throughput over a window it spent partly idle says when its input ran out, not what the
+GPUs added, and its GPUs went on to the trainer. (A recipient short of input while it still has
+work left, or waiting for an asynchronous job's next batch, is what the record is for.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,10 +70,15 @@ class MoveOutcomes:
         if outcome.predicted_rise > 0:
             self.open.append(outcome)
 
-    def settle(self, now: float, measured: Mapping[str, float], iteration: int) -> None:
-        """Hold the moves due at ``now`` against their recipients' ``measured`` tokens/s."""
+    def settle(
+        self, now: float, measured: Mapping[str, float], iteration: int, finished: Collection[str] = ()
+    ) -> None:
+        """Hold the moves due at ``now`` against their recipients' ``measured`` tokens/s; those
+        whose recipient is in ``finished`` (done with the iteration, or emptied) leave nothing."""
         still: list[OpenOutcome] = []
         for outcome in self.open:
+            if outcome.recipient in finished:
+                continue
             rate = measured.get(outcome.recipient)
             if now < outcome.measure_after or rate is None:
                 still.append(outcome)

@@ -413,7 +413,12 @@ class PaceModel:
     - each log-prob (or other non-trainer) group: the rollout's end plus one mini-batch through
       it, and, while it has work, its remaining work at its size;
     - each trainer: the last of those plus one mini-batch, and its remaining work at its size
-      while it has work, or at the largest data-parallel size it can reach while it waits.
+      while it has work, or at the largest data-parallel size it can reach while it waits. In a
+      synchronous iteration a trainer with work keeps its size only until the groups upstream of
+      it are done: from then on nothing else needs GPUs until the next batch, the drained groups
+      pool theirs into it (``DynaRLPolicy._pooled_candidates``), and the rest of its work runs at
+      the largest size it can reach. Without that, GPUs that would finish the upstream work
+      sooner look worthless whenever the trainer, at its size now, has the most work left.
     """
 
     def __init__(
@@ -473,6 +478,10 @@ class PaceModel:
             default=0.0,
         )
         self.tokens_to_train = self.tokens * (max(0.0, 1.0 - trainer_progress) + ahead)
+        # Only a synchronous iteration leaves the rollout's GPUs free once its batch is done; and
+        # only once it is done is the upstream end known well enough to count on: a rollout's
+        # tail estimate that comes out short would starve a trainer with work queued.
+        self.trainer_inherits = ahead == 0 and (self.rollout is None or not self.rollout.has_work)
         self.pipeline: list[HyperNode] = [
             n for n in graph.nodes if n.kind is not ComponentKind.ROLLOUT and self.gpus[n.id] > 0
         ]
@@ -505,7 +514,7 @@ class PaceModel:
         drain: list[tuple[float, str]] = []
         own: list[tuple[float, str]] = []
         trainer_drain: list[tuple[float, str]] = []
-        trainer_own: list[tuple[float, str]] = []
+        self.trainers: dict[str, int] = {}  # trainer id -> useful GPUs now
         self.base_useful = 0
         self.base_active = 0
         self.base_work = 0.0
@@ -522,13 +531,11 @@ class PaceModel:
             terms = self._terms(node, useful)
             if node.kind is ComponentKind.ACTOR:
                 trainer_drain.append((terms[0], node.id))
-                trainer_own.append((terms[1], node.id))
+                self.trainers[node.id] = useful
             else:
                 drain.append((terms[0], node.id))
                 own.append((terms[1], node.id))
-        self._ranked = tuple(
-            sorted(terms, reverse=True) for terms in (drain, own, trainer_drain, trainer_own)
-        )
+        self._ranked = tuple(sorted(terms, reverse=True) for terms in (drain, own, trainer_drain))
 
     @staticmethod
     def effective_gpus(node: HyperNode, gpus: int) -> int:
@@ -544,9 +551,19 @@ class PaceModel:
         reach the largest size it can get."""
         minibatch = self.minibatch_gpu_s[node.id] / useful
         if node.kind is ComponentKind.ACTOR:
-            reach = useful if node.id in self.active else max(self.trainer_cap.get(node.id, useful), useful)
-            return minibatch, self.work_gpu_s[node.id] / reach
+            return minibatch, self._trainer_own(node.id, useful, upstream_end_s=0.0)
         return minibatch, self.work_gpu_s[node.id] / useful if node.id in self.active else -math.inf
+
+    def _trainer_own(self, trainer_id: str, useful: int, *, upstream_end_s: float) -> float:
+        """Seconds a trainer with ``useful`` GPUs needs for its remaining work, the upstream
+        groups being done ``upstream_end_s`` from now (see the class doc)."""
+        work = self.work_gpu_s[trainer_id]
+        reach = max(self.trainer_cap.get(trainer_id, useful), useful)
+        if trainer_id not in self.active:
+            return work / reach
+        if not self.trainer_inherits or work <= useful * upstream_end_s:
+            return work / useful
+        return upstream_end_s + (work - useful * upstream_end_s) / reach
 
     def rollout_gpus(self, changes: Mapping[str, int]) -> int:
         base = self.rollout.gpus if self.rollout is not None else 0
@@ -575,12 +592,12 @@ class PaceModel:
                 rollout_end = head + (self.rollout_s - head) * slowdown
             else:
                 rollout_end = self.rollout_s * slowdown
-        drain_ranked, own_ranked, trainer_drain_ranked, trainer_own_ranked = self._ranked
+        drain_ranked, own_ranked, trainer_drain_ranked = self._ranked
         pipeline_changes = {g: v for g, v in changes.items() if g in self.work_gpu_s}
         drain = _max_excluding(drain_ranked, pipeline_changes)
         own = _max_excluding(own_ranked, pipeline_changes)
         trainer_drain = _max_excluding(trainer_drain_ranked, pipeline_changes)
-        trainer_own = _max_excluding(trainer_own_ranked, pipeline_changes)
+        trainers = dict(self.trainers)
         useful_total = self.base_useful
         active_total = self.base_active
         for group_id, gpus in pipeline_changes.items():
@@ -592,18 +609,24 @@ class PaceModel:
                     return math.inf
                 # A group done with its share of the iteration may give up every GPU.
                 useful_total -= max(before, 0)
+                trainers.pop(group_id, None)
                 continue
             useful_total += useful - max(before, 0)
             if group_id in self.active:
                 active_total += useful - max(before, 0)
             minibatch, remaining = self._terms(node, useful)
             if node.kind is ComponentKind.ACTOR:
-                trainer_drain, trainer_own = max(trainer_drain, minibatch), max(trainer_own, remaining)
+                trainer_drain = max(trainer_drain, minibatch)
+                trainers[group_id] = useful
             else:
                 drain, own = max(drain, minibatch), max(own, remaining)
         if any(g not in pipeline_changes for g in self.infeasible):
             return math.inf
         upstream_end = max(rollout_end, rollout_end + drain, own)
+        trainer_own = max(
+            (self._trainer_own(t, useful, upstream_end_s=upstream_end) for t, useful in trainers.items()),
+            default=-math.inf,
+        )
         last = max(upstream_end, upstream_end + trainer_drain, trainer_own)
         if useful_total > 0:
             last = max(last, (self.base_work + lost_gpu_s) / (active_total or useful_total))
