@@ -560,6 +560,61 @@ def test_rebalancing_can_be_switched_off():
     assert policy.decide(graph, signals, [], now=20.0) == []
 
 
+def backlogged_log_probs(rollout_progress: float) -> tuple[Hypergraph, dict[str, GroupSignals]]:
+    """A synchronous iteration: a rollout still busy (none of its engines under U_low), a log-prob
+    group whose queue holds most of the iteration's work on 2 GPUs, a trainer on what reached it."""
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 8, first_device=0),
+        make_group("inference", INFERENCE, 2, first_device=20),
+        make_group("actor", ACTOR, 8, first_device=50),
+    )
+    graph = Hypergraph(
+        job_id=graph.job_id,
+        nodes=graph.nodes,
+        edges=(HyperEdge("rollout->reward", "rollout", "reward", 1000, 0, 0),),
+    )
+    signals = {
+        "rollout": make_signals(
+            graph.node("rollout"),
+            idle=0,
+            in_flight=40,
+            max_in_flight_per_worker=64,
+            tokens_per_s=4000.0,
+            utilisation_mean=0.15,
+            progress=rollout_progress,
+        ),
+        "inference": make_signals(
+            graph.node("inference"), queue_length=40, in_flight=2, utilisation_mean=1.0, progress=0.1
+        ),
+        "actor": make_signals(graph.node("actor"), in_flight=1, queue_length=1, progress=0.8),
+    }
+    return graph, signals
+
+
+def test_a_log_prob_backlog_that_outlasts_the_rollout_takes_rollout_workers_once_sustained():
+    # 225 GPU-seconds of log-probs queued on 2 GPUs against the rollout's last ~20 seconds: the
+    # log-prob group paces the iteration's end whatever the rollout does, so the working rollout
+    # gives it engines (consolidating its stragglers) once the imbalance has held for sustain_s.
+    graph, signals = backlogged_log_probs(rollout_progress=0.8)
+    policy = policy_with(memory(duration_s=100.0))
+    assert policy.decide(graph, signals, [], now=80.0) == []  # the imbalance is new
+    [decision] = policy.decide(graph, signals, [], now=90.0)
+    assert decision.reason is Reason.BORROW_IDLE_POOL
+    assert (decision.donor, decision.recipient) == ("rollout", "inference")
+    assert decision.chosen is not None and decision.chosen.prediction is not None
+    assert decision.chosen.prediction.job_after > decision.chosen.prediction.job_before
+
+    # Early in the batch most of the log-prob work has not arrived: its queue says little yet.
+    graph, early = backlogged_log_probs(rollout_progress=0.5)
+    policy = policy_with(memory(duration_s=100.0))
+    assert policy.decide(graph, early, [], now=50.0) == []
+    assert policy.decide(graph, early, [], now=65.0) == []
+    # Nor is the rollout's remaining time known before a whole batch was seen.
+    policy = policy_with({})
+    assert policy.decide(graph, signals, [], now=80.0) == []
+    assert policy.decide(graph, signals, [], now=95.0) == []
+
+
 # -- free devices, placement ---------------------------------------------------------------------
 
 

@@ -50,6 +50,8 @@ from scheduler.core.signals import GroupSignals, MeasuredIteration
 NOT_BEST = "a better candidate was chosen"
 # Drained groups whose idle workers a pooled move may combine (see ``_pooled_candidates``).
 POOL_MAX_DONORS = 2
+# A log-prob backlog counts as pacing the iteration once this share of the rollout's batch is done.
+BACKLOG_FROM_PROGRESS = 0.75
 _T = TypeVar("_T")
 
 
@@ -106,7 +108,10 @@ class DynaRLPolicy(BasePolicy):
     Pace rebalancing (beyond Algorithm 1): when a rollout has requests waiting for a slot and
     no group is idle, a working group gives it workers if that raises the predicted job
     throughput by ``rebalance_gain_ratio`` for ``sustain_s`` (asynchronous RL, where a new batch
-    arrives while every stage is busy).
+    arrives while every stage is busy). The same goes for a log-prob group in a synchronous
+    iteration whose remaining work, at its size, outlasts the rollout once most of the batch is
+    generated (responses that grew past what the split was planned for): it paces the
+    iteration's end, and the working rollout gives it engines.
 
     Re-planning (``replan``): every iteration is measured from the same signals (the rollout's
     body and tail, the pipeline's busy GPU-seconds; ``replan.IterationLedger``). At the boundary
@@ -354,8 +359,12 @@ class DynaRLPolicy(BasePolicy):
             decision = self._best_return(graph, signals, model, base, busy, now)
         if decision is None:
             decision, considered = self._best_shrink(graph, signals, model, base, busy, now)
-        if decision is None and not considered:
-            decision, candidates = self._best_rebalance(graph, signals, model, base, busy, now)
+        if decision is None:
+            # With donors weighed and none taken, only a log-prob backlog that outlasts the
+            # rollout may still take workers from a working group.
+            decision, candidates = self._best_rebalance(
+                graph, signals, model, base, busy, now, backlog_only=bool(considered)
+            )
             considered.extend(candidates)
         if decision is None and free_devices:
             decision, candidates = self._grow_into_free(graph, signals, model, base, free_devices, busy, now)
@@ -1261,6 +1270,8 @@ class DynaRLPolicy(BasePolicy):
         base: float,
         busy: set[str],
         now: float,
+        *,
+        backlog_only: bool = False,
     ) -> tuple[Decision | None, list[Candidate]]:
         """Pace rebalancing: when no group is idle enough for Algorithm 1 but the pace model
         shows one stage holding the job back (e.g. a rollout that fell behind in asynchronous
@@ -1272,10 +1283,15 @@ class DynaRLPolicy(BasePolicy):
             self._rebalance_since.clear()
             return None, []
         candidates: list[Candidate] = []
-        # Only a rollout with requests waiting for a slot is short of capacity for certain: the
-        # pipeline's groups trade GPUs through Algorithm 1 as they go idle.
+        # Only a rollout with requests waiting for a slot is short of capacity for certain, and
+        # a log-prob group whose queue alone outlasts the rollout of a synchronous iteration (it
+        # paces the iteration's end whatever the rollout does); the rest of the pipeline trades
+        # GPUs through Algorithm 1 as groups go idle.
         recipients = [
-            n for n in self._recipients(graph, signals, model, busy, now) if n.kind is ComponentKind.ROLLOUT
+            n
+            for n in self._recipients(graph, signals, model, busy, now)
+            if (n.kind is ComponentKind.ROLLOUT and not backlog_only)
+            or self._backlog_outlasts_rollout(n, signals, model)
         ]
         per_pair = max(1, self.param_int("max_candidates") // max(1, len(recipients)))
         for recipient in recipients:
@@ -1331,6 +1347,26 @@ class DynaRLPolicy(BasePolicy):
         if decision is not None:
             self._rebalance_since.clear()
         return decision, marked
+
+    def _backlog_outlasts_rollout(
+        self, node: HyperNode, signals: Mapping[str, GroupSignals], model: PaceModel
+    ) -> bool:
+        sig = signals.get(node.id)
+        if (
+            node.kind is not ComponentKind.INFERENCE
+            or sig is None
+            or sig.queue_length <= 0
+            or model.rollout is None
+            or not model.rollout.has_work
+            or not self._synchronous(model)
+            # The rollout's remaining time is a guess until a whole batch has been seen, and the
+            # log-prob group's work is mostly still to come until most of the batch is generated.
+            or self.memory.previous_duration_s is None
+            or model.rollout.progress < BACKLOG_FROM_PROGRESS
+        ):
+            return False
+        held = model.effective_gpus(node, model.gpus.get(node.id, 0))
+        return held > 0 and model.work_gpu_s.get(node.id, 0.0) / held > model.rollout_s
 
     @staticmethod
     def _rebalance_detail(chosen: Candidate) -> str:
