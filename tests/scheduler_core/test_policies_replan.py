@@ -327,6 +327,31 @@ def test_a_job_spec_that_stays_disaggregated_when_replanning_is_off() -> None:
     assert result.placements == ("disaggregated",) * 3 and not result.placement_changes
 
 
+def test_a_split_that_gave_log_probs_more_gpus_than_their_work_is_re_planned_from_gpus_coming_home() -> None:
+    # agentic-7B-64's planned split gives the log-prob group 28 GPUs it keeps busy a third of the
+    # iteration, while its multi-turn rollout is paced by 34 engines. At the first boundary every
+    # GPU is on loan to the trainer: part of the log-prob group's return goes to the rollout
+    # instead, and the log-prob group keeps what its measured work needed.
+    workload = replace(get_workload("agentic-7B-64"), iterations=3)
+    records = generate_trace(workload, 0, iterations=3)
+    result = simulate(workload, "dynarl", records=records, options=SimOptions(iterations=3))
+    [rebased] = [m for m in result.moves if m.reason == Reason.REPLAN_BASE_SPLIT.value]
+    assert (rebased.donor, rebased.recipient, rebased.iteration) == ("actor", "rollout", 1)
+    home = [m for m in result.moves if m.reason == Reason.RETURN_BORROWED.value and m.iteration == 1]
+    to_log_probs = sum(m.gpus for m in home if m.recipient == "inference")
+    assert to_log_probs + rebased.gpus == result.initial_split["inference"]
+    assert to_log_probs >= 8  # ~1,450 busy GPU-seconds over a rollout of about 140 s
+    static = simulate(
+        workload, "dynarl", records=records, params={"replan": False}, options=SimOptions(iterations=3)
+    )
+    assert not [m for m in static.moves if m.reason == Reason.REPLAN_BASE_SPLIT.value]
+    # The iterations after it run faster than on the split as planned.
+    assert (
+        result.iteration_end_s[-1] - result.iteration_end_s[0]
+        < static.iteration_end_s[-1] - static.iteration_end_s[0]
+    )
+
+
 def test_the_live_policy_records_a_placement_it_cannot_switch_to() -> None:
     policy = policy_with()
     policy.placement_changes_supported = False

@@ -40,6 +40,7 @@ from scheduler.core.policies.replan import (
     PlacementChoice,
     PlacementModel,
     Replanner,
+    busy_gpu_s,
     measured_record,
     seconds,
     time_shared,
@@ -482,8 +483,7 @@ class DynaRLPolicy(BasePolicy):
                 return candidate.rejected_because is None
 
             returns = self._return_loans(graph, now, worth)
-        rebase = self._rebase(graph, record, returns, now)
-        return self._issued([*returns, *rebase], now)
+        return self._issued(self._rebase(graph, record, returns, now), now)
 
     # -- re-planning at the boundary -----------------------------------------------------------
 
@@ -575,15 +575,19 @@ class DynaRLPolicy(BasePolicy):
     def _rebase(
         self, graph: Hypergraph, record: IterationRecord | None, returns: Sequence[Decision], now: float
     ) -> list[Decision]:
-        """The next iteration's base split, disaggregated: whole workers between the rollout and
-        a pipeline group, when the placement model, on what the iteration measured, predicts the
-        shifted split at least ``replan_margin`` faster, and the saving pays the move back within
-        ``PAYBACK_ITERATIONS`` iterations. An iteration the ticks measured (stages overlapping,
-        drained GPUs lent to the pipeline) is weighed against the pipeline group with the most
-        work there (log-probs, else the trainer); one whose stages the driver timed one after
-        another, against each pipeline group, stage by stage. Devices going home already are
-        left alone. Each re-planned split is held against the next iteration's measured
-        duration (``MoveOutcomes``)."""
+        """The boundary's moves: ``returns``, and the next iteration's base split, disaggregated.
+        Whole workers move between the rollout and a pipeline group when the placement model, on
+        what the iteration measured, predicts the shifted split at least ``replan_margin``
+        faster. An iteration the ticks measured (stages overlapping, drained GPUs lent to the
+        pipeline) is weighed against the pipeline group with the most work there (log-probs,
+        else the trainer), at every size of shift, including GPUs on their way home to the
+        group that gives (a return is then split, the shifted part going to the other group),
+        and never leaving the giving pipeline group fewer GPUs than its measured work needed to
+        keep pace with the rollout. One whose stages the driver timed one after another is
+        weighed against each pipeline group, stage by stage, a worker at a time, and only where
+        the saving pays the move back within ``PAYBACK_ITERATIONS`` iterations. Each re-planned
+        split is held against the next iteration's measured duration (``MoveOutcomes``)."""
+        boundary = list(returns)
         if (
             not self.param_bool("replan")
             or record is None
@@ -592,101 +596,178 @@ class DynaRLPolicy(BasePolicy):
             or self._rollout_base is None
             or self.memory.batches_ahead(graph.iteration) > 0
         ):
-            return []
-        rollouts = [n for n in graph.by_kind(ComponentKind.ROLLOUT) if n.workers]
-        inference = [n for n in graph.by_kind(ComponentKind.INFERENCE) if n.workers]
-        actors = [n for n in graph.by_kind(ComponentKind.ACTOR) if n.workers]
+            return boundary
+        coming_home: dict[str, list[Decision]] = {}
+        for decision in returns:
+            if decision.recipient is not None:
+                coming_home.setdefault(decision.recipient, []).append(decision)
+
+        def present(kind: ComponentKind) -> list[HyperNode]:
+            return [n for n in graph.by_kind(kind) if n.workers or n.id in coming_home]
+
+        rollouts = present(ComponentKind.ROLLOUT)
+        inference = present(ComponentKind.INFERENCE)
+        actors = present(ComponentKind.ACTOR)
         if record.stages:
             partners = [group for group in (*inference, *actors) if group.kind.value in record.stages]
             if len(inference) > 1 or len(actors) > 1:
-                return []
+                return boundary
         else:
             partners = inference or actors
             if len(partners) != 1:
-                return []
+                return boundary
         if len(rollouts) != 1 or not partners:
-            return []
+            return boundary
         rollout = rollouts[0]
         base = self._rollout_base
         model = self.replanner.model
         now_s = model.disaggregated_s(record, base)
         if now_s <= 0:
-            return []
+            return boundary
         returning = {d for decision in returns for d in decision.device_ids}
         margin = self.param_float("replan_margin")
-        best: tuple[float, Decision, str, int] | None = None
+        best: tuple[float, Decision, str, int, Decision | None] | None = None
         declined: list[str] = []
         for partner in partners:
             for donor, recipient, sign in ((rollout, partner, -1), (partner, rollout, 1)):
-                workers = self._smallest_shift(donor, recipient, returning)
-                if workers is None:
-                    continue
-                devices = devices_of(workers)
-                rollout_after = base + sign * len(devices)
-                if rollout_after <= 0 or rollout_after >= record.total_gpus:
-                    continue
-                if record.stages:
-                    partner_held = record.stages[partner.kind.value][1]
-                    after_s = model.staged_s(
-                        record,
-                        {
-                            ComponentKind.ROLLOUT.value: rollout_after,
-                            partner.kind.value: partner_held - sign * len(devices),
-                        },
-                    )
-                else:
-                    after_s = model.disaggregated_s(record, rollout_after)
-                saving = 1.0 - after_s / now_s
-                kind = f"rebase:{move_kind(donor, recipient)}"
-                trust, suspended = self.outcomes.trust(kind, graph.iteration)
-                if (
-                    suspended is not None
-                    or saving * trust < margin
-                    or (best is not None and saving <= best[0])
+                for source, devices, redirected in self._rebase_shifts(
+                    graph, record, donor, recipient, coming_home, returning
                 ):
-                    continue
-                candidate = self._rebase_candidate(record, donor, recipient, devices, saving)
-                saving_s = saving * record.duration_s
-                # A split timed by the driver is weighed against the move's cost: on a real job a
-                # move takes seconds against iterations of seconds. (The ticks' path is unchanged:
-                # its iterations run far longer than a move, and the live sim's move estimates
-                # swing with the host's load.)
-                if record.stages and PAYBACK_ITERATIONS * saving_s <= candidate.migration_cost_s:
-                    declined.append(
-                        f"{len(devices)} GPUs of {donor.id} to {recipient.id} would save {seconds(saving_s)}s an "
-                        f"iteration, which does not pay a {candidate.migration_cost_s:.1f}s move back within "
-                        f"{PAYBACK_ITERATIONS} iterations"
+                    rollout_after = base + sign * len(devices)
+                    if rollout_after <= 0 or rollout_after >= record.total_gpus:
+                        continue
+                    if record.stages:
+                        partner_held = record.stages[partner.kind.value][1]
+                        after_s = model.staged_s(
+                            record,
+                            {
+                                ComponentKind.ROLLOUT.value: rollout_after,
+                                partner.kind.value: partner_held - sign * len(devices),
+                            },
+                        )
+                    else:
+                        after_s = model.disaggregated_s(record, rollout_after)
+                    saving = 1.0 - after_s / now_s
+                    kind = f"rebase:{move_kind(donor, recipient)}"
+                    trust, suspended = self.outcomes.trust(kind, graph.iteration)
+                    if (
+                        suspended is not None
+                        or saving * trust < margin
+                        or (best is not None and saving <= best[0])
+                    ):
+                        continue
+                    candidate = self._rebase_candidate(record, source, recipient, devices, saving)
+                    saving_s = saving * record.duration_s
+                    # A split timed by the driver is weighed against the move's cost: on a real
+                    # job a move takes seconds against iterations of seconds. (The ticks' path
+                    # has no such check: its iterations run far longer than a move, and the live
+                    # sim's move estimates swing with the host's load.)
+                    if record.stages and PAYBACK_ITERATIONS * saving_s <= candidate.migration_cost_s:
+                        declined.append(
+                            f"{len(devices)} GPUs of {donor.id} to {recipient.id} would save {seconds(saving_s)}s an "
+                            f"iteration, which does not pay a {candidate.migration_cost_s:.1f}s move back within "
+                            f"{PAYBACK_ITERATIONS} iterations"
+                        )
+                        continue
+                    via = f", on their way home from {source.id}" if redirected is not None else ""
+                    detail = (
+                        f"iteration {record.iteration} measured rollout body {seconds(record.rollout_body_s)}s, tail "
+                        f"{seconds(record.rollout_tail_s)}s, pipeline {seconds(record.pipeline_gpu_s)} GPU-s: "
+                        f"{len(devices)} GPUs of {donor.id} to {recipient.id} for the next iteration{via} "
+                        f"(the rollout on {rollout_after} GPUs instead of {base}; predicted {saving:.0%} faster, "
+                        f"{seconds(saving_s)}s an iteration for a {candidate.migration_cost_s:.1f}s move)"
                     )
-                    continue
-                detail = (
-                    f"iteration {record.iteration} measured rollout body {seconds(record.rollout_body_s)}s, tail "
-                    f"{seconds(record.rollout_tail_s)}s, pipeline {seconds(record.pipeline_gpu_s)} GPU-s: "
-                    f"{len(devices)} GPUs of {donor.id} to {recipient.id} for the next iteration "
-                    f"(the rollout on {rollout_after} GPUs instead of {base}; predicted {saving:.0%} faster, "
-                    f"{seconds(saving_s)}s an iteration for a {candidate.migration_cost_s:.1f}s move)"
-                )
-                decision = make_decision(
-                    self.name,
-                    Reason.REPLAN_BASE_SPLIT,
-                    detail,
-                    donor=donor,
-                    recipient=recipient,
-                    device_ids=[d.id for d in devices],
-                    at=now,
-                    chosen=candidate,
-                    candidates=[candidate],
-                )
-                best = (saving, decision, kind, rollout_after)
+                    decision = make_decision(
+                        self.name,
+                        Reason.REPLAN_BASE_SPLIT,
+                        detail,
+                        donor=source,
+                        recipient=recipient,
+                        device_ids=[d.id for d in devices],
+                        at=now,
+                        chosen=candidate,
+                        candidates=[candidate],
+                    )
+                    best = (saving, decision, kind, rollout_after, redirected)
         if best is None:
             if declined:
                 note = "; ".join(declined)
                 self.last_replan = f"{self.last_replan}; {note}" if self.last_replan else note
-            return []
-        saving, decision, kind, rollout_after = best
+            return boundary
+        saving, decision, kind, rollout_after, redirected = best
+        if redirected is not None:
+            shifted = set(decision.device_ids)
+            kept = tuple(d for d in redirected.device_ids if d not in shifted)
+            boundary = [r for r in boundary if r is not redirected]
+            if kept:
+                detail = (
+                    f"{redirected.detail} ({len(kept)} of them; the other {len(shifted)} go to "
+                    f"{decision.recipient}, re-planned below)"
+                )
+                boundary.append(replace(redirected, device_ids=kept, detail=detail))
         self._rollout_base = rollout_after
         self._rebase_open = (kind, saving * record.duration_s, record.duration_s / max(work(record), 1e-9))
         self.last_replan = f"{self.last_replan}; {decision.detail}" if self.last_replan else decision.detail
-        return [decision]
+        return [*boundary, decision]
+
+    def _rebase_shifts(
+        self,
+        graph: Hypergraph,
+        record: IterationRecord,
+        donor: HyperNode,
+        recipient: HyperNode,
+        coming_home: Mapping[str, Sequence[Decision]],
+        returning: set[str],
+    ) -> list[tuple[HyperNode, tuple[Device, ...], Decision | None]]:
+        """The shifts of ``_rebase`` from ``donor`` to ``recipient``: (the group the devices
+        leave, the devices, the return they are taken from or None)."""
+        if record.stages:
+            workers = self._smallest_shift(donor, recipient, returning)
+            return [] if workers is None else [(donor, devices_of(workers), None)]
+        home = {
+            node_id: sum(len(r.device_ids) for r in decisions) for node_id, decisions in coming_home.items()
+        }
+        floor = 0
+        if donor.kind is not ComponentKind.ROLLOUT and record.rollout_s > 0:
+            # A pipeline group keeps what its measured work needed to keep pace with the rollout.
+            floor = math.ceil(busy_gpu_s(record, donor.kind) / record.rollout_s)
+        donor_after_return = donor.gpus + home.get(donor.id, 0)
+        shifts: list[tuple[HyperNode, tuple[Device, ...], Decision | None]] = [
+            (donor, devices_of(workers), None)
+            for workers in self._shifts(donor, recipient, returning)
+            if donor_after_return - len(devices_of(workers)) >= floor
+        ]
+        # GPUs on their way home to the donor: the shifted part of a return goes to the recipient.
+        for redirected in coming_home.get(donor.id, ()):
+            if redirected.donor is None:
+                continue
+            source = graph.node(redirected.donor)
+            wanted = set(redirected.device_ids)
+            whole = [w for w in source.workers if all(d.id in wanted for d in w.devices)]
+            for count in range(1, len(whole) + 1):
+                devices = devices_of(whole[:count])
+                if donor_after_return - len(devices) < floor:
+                    break
+                if (
+                    self._valid_after_shift(donor, -len(devices), home)
+                    and self._valid_after_shift(recipient, len(devices), home)
+                    and receive_problem(recipient, devices) is None
+                ):
+                    shifts.append((source, devices, redirected))
+        return shifts
+
+    @staticmethod
+    def _valid_after_shift(node: HyperNode, delta_gpus: int, home: Mapping[str, int]) -> bool:
+        """Whether ``node`` runs valid workers with its GPUs after the boundary's returns and a
+        shift of ``delta_gpus``."""
+        gpus = node.gpus + home.get(node.id, 0) + delta_gpus
+        per_worker = node.parallelism.gpus_per_worker
+        if gpus <= 0 or gpus % per_worker:
+            return False
+        workers = gpus // per_worker
+        if workers < node.min_workers or (node.max_workers is not None and workers > node.max_workers):
+            return False
+        return node.parallelism.is_valid_worker_count(workers)
 
     def _rebase_candidate(
         self,
@@ -723,6 +804,34 @@ class DynaRLPolicy(BasePolicy):
             migration_cost_s=migration_cost_s(self.cost_model, donor, recipient, gpus),
             score=saving * record.duration_s,
         )
+
+    @staticmethod
+    def _shifts(donor: HyperNode, recipient: HyperNode, excluded: set[str]) -> list[tuple[Worker, ...]]:
+        """Every shift of whole donor workers, its least used first and none holding a device in
+        ``excluded``, that leaves both groups at valid sizes; smallest first."""
+        offered = [
+            w
+            for w in sorted(donor.workers, key=lambda w: (w.utilisation, w.id))
+            if not any(d.id in excluded for d in w.devices)
+        ]
+        per_worker = recipient.parallelism.gpus_per_worker
+        shifts: list[tuple[Worker, ...]] = []
+        for count in range(1, len(offered) + 1):
+            if release_problem(donor, count) is not None:
+                continue
+            chosen = tuple(offered[:count])
+            gpus = sum(len(w.devices) for w in chosen)
+            if gpus % per_worker:
+                continue
+            after = len(recipient.workers) + gpus // per_worker
+            if recipient.max_workers is not None and after > recipient.max_workers:
+                break
+            if (
+                recipient.is_valid_worker_count(after)
+                and receive_problem(recipient, devices_of(chosen)) is None
+            ):
+                shifts.append(chosen)
+        return shifts
 
     @staticmethod
     def _smallest_shift(

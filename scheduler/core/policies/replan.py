@@ -81,6 +81,7 @@ class IterationRecord:
     pipeline_overlap_gpu_s: float  # the part done while the rollout still generated
     tokens: float  # what the trainer trained (its tokens/s over the iteration)
     idle_s: float = 0.0  # nothing generating and the pipeline mostly idle (the boundary itself)
+    log_prob_gpu_s: float = 0.0  # the log-prob groups' share of ``pipeline_gpu_s`` (ticks' records)
     # Stages the job's driver timed one after another, each on its own group's GPUs (group kind
     # -> busy GPU-seconds and the GPUs it ran on), the rollout's included; empty for an iteration
     # the ticks measured (stages overlapping, GPUs lent between them).
@@ -250,6 +251,8 @@ class IterationLedger:
                 pipeline_busy_gpus += node.gpus * sig.utilisation_mean
                 busy = node.gpus * sig.utilisation_mean * dt
                 self.sums["pipeline_gpu_s"] += busy
+                if kind is ComponentKind.INFERENCE:
+                    self.sums["log_prob_gpu_s"] += busy
                 if generating:
                     self.sums["pipeline_overlap_gpu_s"] += busy
         if not generating and pipeline_busy_gpus <= self.u_low * pipeline_gpus:
@@ -306,6 +309,7 @@ _SUMS = (
     "pipeline_overlap_gpu_s",
     "tokens",
     "idle_s",
+    "log_prob_gpu_s",
 )
 
 
@@ -596,6 +600,15 @@ def seconds(value: float) -> str:
     """Seconds for the decision trail: a tenth under ten (real iterations of a few seconds),
     whole ones above."""
     return f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
+
+
+def busy_gpu_s(record: IterationRecord, kind: ComponentKind) -> float:
+    """GPU-seconds a pipeline group kind was busy in a ticks' record."""
+    if kind is ComponentKind.INFERENCE:
+        return record.log_prob_gpu_s
+    if kind is ComponentKind.ACTOR:
+        return max(0.0, record.pipeline_gpu_s - record.log_prob_gpu_s)
+    return 0.0
 
 
 def work(record: IterationRecord) -> float:
