@@ -100,6 +100,30 @@ def test_a_synchronous_rollout_batch_is_timed_from_its_start_to_its_last_episode
     assert not memory.generating_ahead(2)
 
 
+def test_a_batch_seen_by_its_requests_before_its_progress_is_counted_once():
+    # On a loaded control plane the next batch's requests show before the progress the engines
+    # report restarts (it still reads the last batch's end): that is one batch, not two, and a
+    # synchronous job must not look as if it generated ahead.
+    memory = PaceMemory()
+    graph = job()
+    memory.observe(graph, tick(graph, progress=0.0), now=1.0)
+    memory.observe(graph, tick(graph, progress=1.0, in_flight=0), now=41.0)
+    after = job(iteration=1)
+    memory.observe(after, tick(after, progress=1.0, in_flight=50), now=45.0)
+    assert memory.batches_started == 2 and not memory.batch_done
+    memory.observe(after, tick(after, progress=0.1), now=47.0)
+    memory.observe(after, tick(after, progress=0.6), now=60.0)
+    assert memory.batches_started == 2 and memory.batches_ahead(1) == 0
+    restored = PaceMemory()
+    restored.load(json.loads(json.dumps(memory.to_json())))
+    assert restored.to_json() == memory.to_json()
+    # The batch after it, seen the usual way, is the third.
+    memory.observe(after, tick(after, progress=1.0, in_flight=0), now=80.0)
+    later = job(iteration=2)
+    memory.observe(later, tick(later, progress=0.05), now=85.0)
+    assert memory.batches_started == 3 and memory.batches_ahead(2) == 0
+
+
 def test_a_rollout_that_generates_ahead_is_recognised_and_half_seen_batches_teach_nothing():
     memory = PaceMemory()
     graph = job()

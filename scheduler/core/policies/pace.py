@@ -189,6 +189,7 @@ class PaceMemory:
         self.last_progress: float | None = None
         self.kv_share: float | None = None  # measured share of a step that grows with the batch
         self.probe: dict[str, float] | None = None  # a rollout resize being measured
+        self.stale_progress = False  # a batch began while the progress still read the last one's end
 
     # -- observation -----------------------------------------------------------------------
 
@@ -213,11 +214,33 @@ class PaceMemory:
         # A batch ends when its last episode is done. An asynchronous job may already have the
         # next batch running: the progress then drops to that batch's without ever showing 1.
         restarted = self.last_progress is not None and view.progress + 1e-9 < self.last_progress
+        if self.stale_progress:
+            # The batch started on new requests while the progress still read the last one's
+            # end (a report that lags the requests): its progress restarting is the same batch
+            # catching up, and until it does, the progress says nothing about this batch.
+            if restarted:
+                restarted = False
+                self.stale_progress = False
+                self.curve = []
+            elif view.progress >= 1.0 - 1e-9 and view.outstanding > 0:
+                self.last_progress = view.progress
+                self.batch_tokens += view.tokens_per_s * dt
+                return
+            else:
+                self.stale_progress = False
         if restarted and not self.batch_done and self.batches_started > 0:
             self._finish_batch(now - dt if dt > 0 else now)
         new_work = self.batch_done and view.outstanding > 0
         if self.batches_started == 0 or restarted or new_work:
-            self._start_batch(now - dt if dt > 0 else now, whole=view.progress < MIN_PROGRESS_FOR_TOKENS)
+            stale = new_work and not restarted and view.progress >= 1.0 - 1e-9
+            self._start_batch(
+                now - dt if dt > 0 else now, whole=stale or view.progress < MIN_PROGRESS_FOR_TOKENS
+            )
+            if stale:
+                self.stale_progress = True
+                self.last_progress = view.progress
+                self.batch_tokens += view.tokens_per_s * dt
+                return
         self.last_progress = view.progress
         self.batch_tokens += view.tokens_per_s * dt
         if self.batch_done:
@@ -353,6 +376,7 @@ class PaceMemory:
             "last_progress": self.last_progress,
             "kv_share": self.kv_share,
             "probe": dict(self.probe) if self.probe is not None else None,
+            "stale_progress": self.stale_progress,
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -377,6 +401,7 @@ class PaceMemory:
         self.kv_share = opt("kv_share")
         probe = data.get("probe")
         self.probe = {k: float(v) for k, v in probe.items()} if probe else None
+        self.stale_progress = bool(data.get("stale_progress", False))
 
 
 def largest_valid_gpus(node: HyperNode, gpus: int) -> int:
