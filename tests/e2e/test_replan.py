@@ -21,11 +21,13 @@ def test_a_rollout_starved_by_the_spec_gets_a_larger_base_split_at_an_iteration_
     live_stack: LiveStack,
 ) -> None:
     start_cluster(live_stack, ("node-a", "node-b"))
-    # Two rollout engines and a six-rank trainer: the rollout paces every iteration.
+    # Two rollout engines and a six-rank trainer: the rollout paces every iteration. Enough
+    # prompts that an iteration spans several ticks even on the larger split the boundary picks
+    # (a boundary says too little was seen of an iteration shorter than that).
     spec = math_spec(
         "replan",
         iterations=ITERATIONS,
-        prompts=256,
+        prompts=512,
         samples=8,
         max_new_tokens=8192,
         rollout=2,
@@ -43,7 +45,9 @@ def test_a_rollout_starved_by_the_spec_gets_a_larger_base_split_at_an_iteration_
     # Every boundary the tick saw says what the iteration measured and what follows from it.
     replans = list(AuditEvent.objects.filter(job=job, verb="replan").order_by("at"))
     assert replans, "no boundary was re-planned"
-    assert all("took" in e.reason and "rollout body" in e.reason for e in replans)
+    assert all("took" in e.reason and "rollout body" in e.reason for e in replans), [
+        e.reason for e in replans
+    ]
     # Colocated is off for this job: every boundary says so, and nothing was time-shared.
     assert all("colocated placement is off" in e.reason for e in replans), [e.reason for e in replans]
     assert not job.groups.filter(workers__colocated_devices__isnull=False).exists()
