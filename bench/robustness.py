@@ -158,10 +158,10 @@ def targets(rows: Sequence[Row]) -> list[str]:
         where = f"{row.workload} / {row.family}"
         if ratio < TARGET_NO_HARM:
             misses.append(
-                f"- {where}: {ratio:.2f}× the best static placement (target ≥ {TARGET_NO_HARM:.2f}) — MISSED"
+                f"- {where}: {ratio:.3f}× the best static placement (target ≥ {TARGET_NO_HARM:.2f}) — MISSED"
             )
         if row.family.has_tail and ratio < TARGET_WITH_TAIL:
-            misses.append(f"- {where}: {ratio:.2f}× with a tail (target ≥ {TARGET_WITH_TAIL:.2f}) — MISSED")
+            misses.append(f"- {where}: {ratio:.3f}× with a tail (target ≥ {TARGET_WITH_TAIL:.2f}) — MISSED")
         best_policy, best = max(row.tokens_per_s.items(), key=lambda item: item[1])
         share = row.tokens_per_s[SUBJECT] / best
         if share < TARGET_NEAR_BEST:
