@@ -77,6 +77,16 @@ def policy_with(state: dict[str, Any] | None = None, **params: Any) -> DynaRLPol
     return policy
 
 
+def with_episodes(graph: Hypergraph, iteration: int = 0) -> Hypergraph:
+    """``graph`` with its rollout's batch of 1,000 episodes on the edge to the reward."""
+    return Hypergraph(
+        job_id=graph.job_id,
+        nodes=graph.nodes,
+        edges=(HyperEdge("rollout->reward", "rollout", "reward", 1000, 0, 0),),
+        iteration=iteration,
+    )
+
+
 def drained(graph: Hypergraph, idle: int = 6, **fields: object) -> dict[str, GroupSignals]:
     """The rollout in its tail (``idle`` workers under U_low all window, 90% of its episodes
     done), the trainer with ready mini-batches and most of its iteration to train."""
@@ -358,11 +368,7 @@ def test_borrowed_gpus_go_back_when_the_lender_is_the_bottleneck_again():
     state = policy.state_to_json()
     state["pace"] = memory(tokens=10_000.0, batches=2, started_at=95.0)["pace"]
     policy.load_state(state)
-    graph = Hypergraph(
-        job_id=graph.job_id,
-        nodes=graph.nodes,
-        edges=(HyperEdge("rollout->reward", "rollout", "reward", 1000, 0, 0),),
-    )
+    graph = with_episodes(graph)
     working = {
         "rollout": make_signals(
             graph.node("rollout"),
@@ -517,12 +523,7 @@ def behind_rollout() -> tuple[Hypergraph, dict[str, GroupSignals]]:
         make_group("inference", INFERENCE, 8, first_device=20),
         make_group("actor", ACTOR, 4, first_device=50),
     )
-    graph = Hypergraph(
-        job_id=graph.job_id,
-        nodes=graph.nodes,
-        edges=(HyperEdge("rollout->reward", "rollout", "reward", 1000, 0, 0),),
-        iteration=1,
-    )
+    graph = with_episodes(graph, iteration=1)
     signals = {
         "rollout": make_signals(
             graph.node("rollout"),
@@ -568,11 +569,7 @@ def backlogged_log_probs(rollout_progress: float) -> tuple[Hypergraph, dict[str,
         make_group("inference", INFERENCE, 2, first_device=20),
         make_group("actor", ACTOR, 8, first_device=50),
     )
-    graph = Hypergraph(
-        job_id=graph.job_id,
-        nodes=graph.nodes,
-        edges=(HyperEdge("rollout->reward", "rollout", "reward", 1000, 0, 0),),
-    )
+    graph = with_episodes(graph)
     signals = {
         "rollout": make_signals(
             graph.node("rollout"),

@@ -814,24 +814,11 @@ class DynaRLPolicy(BasePolicy):
             for w in sorted(donor.workers, key=lambda w: (w.utilisation, w.id))
             if not any(d.id in excluded for d in w.devices)
         ]
-        per_worker = recipient.parallelism.gpus_per_worker
-        shifts: list[tuple[Worker, ...]] = []
-        for count in range(1, len(offered) + 1):
-            if release_problem(donor, count) is not None:
-                continue
-            chosen = tuple(offered[:count])
-            gpus = sum(len(w.devices) for w in chosen)
-            if gpus % per_worker:
-                continue
-            after = len(recipient.workers) + gpus // per_worker
-            if recipient.max_workers is not None and after > recipient.max_workers:
-                break
-            if (
-                recipient.is_valid_worker_count(after)
-                and receive_problem(recipient, devices_of(chosen)) is None
-            ):
-                shifts.append(chosen)
-        return shifts
+        return [
+            tuple(offered[:count])
+            for count in range(1, len(offered) + 1)
+            if release_problem(donor, count) is None and _takes(recipient, offered[:count])
+        ]
 
     @staticmethod
     def _smallest_shift(
@@ -843,22 +830,12 @@ class DynaRLPolicy(BasePolicy):
         for worker in sorted(donor.workers, key=lambda w: (w.utilisation, w.id)):
             if not any(d.id in excluded for d in worker.devices):
                 by_node.setdefault(worker.node, []).append(worker)
-        per_worker = recipient.parallelism.gpus_per_worker
         for count in range(1, len(donor.workers)):
             if release_problem(donor, count) is not None:
                 continue
             for node_workers in by_node.values():
                 chosen = tuple(node_workers[:count])
-                gpus = sum(len(w.devices) for w in chosen)
-                if len(chosen) < count or gpus % per_worker:
-                    continue
-                after = len(recipient.workers) + gpus // per_worker
-                if recipient.max_workers is not None and after > recipient.max_workers:
-                    continue
-                if (
-                    recipient.is_valid_worker_count(after)
-                    and receive_problem(recipient, devices_of(chosen)) is None
-                ):
+                if len(chosen) == count and _takes(recipient, chosen):
                     return chosen
         return None
 
@@ -1741,6 +1718,19 @@ def _smallest_valid_gpus(node: HyperNode) -> int:
     if workers > limit:
         return node.gpus
     return largest_valid_gpus(node, workers * node.parallelism.gpus_per_worker)
+
+
+def _takes(recipient: HyperNode, workers: Sequence[Worker]) -> bool:
+    """Whether ``recipient`` can take the devices of ``workers`` as whole workers of its own
+    and stay at a valid size."""
+    per_worker = recipient.parallelism.gpus_per_worker
+    gpus = sum(len(w.devices) for w in workers)
+    if gpus <= 0 or gpus % per_worker:
+        return False
+    after = len(recipient.workers) + gpus // per_worker
+    if recipient.max_workers is not None and after > recipient.max_workers:
+        return False
+    return recipient.is_valid_worker_count(after) and receive_problem(recipient, devices_of(workers)) is None
 
 
 def _finished_groups(graph: Hypergraph, signals: Mapping[str, GroupSignals]) -> set[str]:
