@@ -1408,8 +1408,10 @@ class DynaRLPolicy(BasePolicy):
                         )
                     candidates.append(candidate)
         viable = {f"{c.donor}>{c.recipient}" for c in candidates if c.rejected_because is None}
+        rollout_ids = {n.id for n in graph.by_kind(ComponentKind.ROLLOUT)}
         for key in list(self._rebalance_since):
-            if key not in viable:
+            # A pass that weighed only log-prob backlogs says nothing of a rollout's imbalance.
+            if key not in viable and not (backlog_only and key.partition(">")[2] in rollout_ids):
                 del self._rebalance_since[key]
         ready: list[Candidate] = []
         for candidate in candidates:

@@ -428,8 +428,9 @@ class PaceModel:
     """Predicted end of the rollout's current batch being trained, per allocation (module doc).
 
     Built once per tick; ``finish_s`` evaluates a candidate (group id -> GPUs after the move) in
-    time independent of the number of groups: per-group terms are computed once, and a candidate
-    only recomputes the groups it changes.
+    time independent of the number of non-trainer groups: their terms are computed once, and a
+    candidate only recomputes the groups it changes, and each trainer (a job has one or a few),
+    whose time depends on when the groups upstream of it are done.
 
     Pipeline bounds, in seconds from now:
 
@@ -572,16 +573,17 @@ class PaceModel:
     def _terms(self, node: HyperNode, useful: int) -> tuple[float, float]:
         """(one mini-batch through the group, its own remaining work) in seconds at ``useful``
         GPUs. A group with work keeps the GPUs it has for all of its remaining work as far as the
-        model knows (a move is what changes that); a trainer waiting for input is expected to
-        reach the largest size it can get."""
+        model knows (a move is what changes that). A trainer's own time depends on the upstream
+        end (``_trainer_own``), so only its mini-batch term is given here."""
         minibatch = self.minibatch_gpu_s[node.id] / useful
         if node.kind is ComponentKind.ACTOR:
-            return minibatch, self._trainer_own(node.id, useful, upstream_end_s=0.0)
+            return minibatch, -math.inf
         return minibatch, self.work_gpu_s[node.id] / useful if node.id in self.active else -math.inf
 
     def _trainer_own(self, trainer_id: str, useful: int, *, upstream_end_s: float) -> float:
         """Seconds a trainer with ``useful`` GPUs needs for its remaining work, the upstream
-        groups being done ``upstream_end_s`` from now (see the class doc)."""
+        groups being done ``upstream_end_s`` from now (see the class doc); a trainer waiting for
+        input is expected to reach the largest size it can get."""
         work = self.work_gpu_s[trainer_id]
         reach = max(self.trainer_cap.get(trainer_id, useful), useful)
         if trainer_id not in self.active:
