@@ -377,7 +377,7 @@ def agentic_rollout(
                     for name in sorted(active, key=lambda n: outstanding.get(n, 0)):
                         if outstanding.get(name, 0) >= settings.slots_per_engine:
                             continue
-                        request = router.next_for_worker(name, now)
+                        request = router.next_for_worker(name, now, outstanding)
                         if request is None:
                             continue
                         outstanding[name] = outstanding.get(name, 0) + 1

@@ -5,8 +5,16 @@ Ordering in PRIORITY mode: more completed tool calls first, then a longer KV-cac
 older first; FIFO mode orders by age only. On top of either order:
 
 - **Affinity**: a follow-up turn of an episode goes to the worker holding its KV cache. Another
-  worker may take it only once its worker is gone (a *fallback*) or once it has waited longer
-  than ``affinity_wait_s`` while that worker is busy (a *steal*): cache reuse against idling.
+  worker may take it only once its worker is gone (a *fallback*), once it has waited longer
+  than ``affinity_wait_s`` while that worker is busy, or while the group is out of balance (a
+  *steal*): cache reuse against idling.
+- **Load balance**: given the workers' loads (requests each is running or holds queued), a worker
+  with nothing of its own or shared to take takes a follow-up turn waiting for a worker whose
+  load exceeds its own by more than ``balance_abs_threshold`` requests and by the factor
+  ``balance_rel_threshold`` (SGLang's cache-aware router switches to the shortest queue on the
+  same two thresholds). Without it an engine that joins a group after the episodes were first
+  dispatched (GPUs moved to the rollout mid-iteration) would never get work: every later turn
+  goes back to the engine holding its cache, which admits it at once.
 - **Starvation bound**: a request older than ``max_wait_s`` jumps ahead of everything, oldest
   first, whichever worker asks.
 - **Auto-FIFO**: priority ordering pays off only because later turns are shorter; the router
@@ -20,7 +28,7 @@ at most once when its affinity expires, once when its worker leaves, and once pe
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -56,7 +64,9 @@ class RouterStats:
     dispatched: int
     affinity_hits: int  # dispatched to the worker holding the episode's cache
     affinity_fallbacks: int  # that worker was gone, dispatched elsewhere
-    affinity_steals: int  # that worker was alive but the request waited past affinity_wait_s
+    affinity_steals: (
+        int  # that worker was alive: the request waited past affinity_wait_s or it was overloaded
+    )
     starvation_promotions: int  # dispatched ahead of the order because older than max_wait_s
     mode_now: RouterMode
     queued: int
@@ -93,20 +103,29 @@ class DataRouter:
         auto_fifo: bool = True,
         affinity_wait_s: float = 2.0,
         use_affinity: bool = True,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.0001,
     ) -> None:
         if max_wait_s < 0 or affinity_wait_s < 0:
             raise ValueError("max_wait_s and affinity_wait_s must not be negative")
+        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
+            raise ValueError(
+                "balance_abs_threshold must not be negative and balance_rel_threshold not below 1"
+            )
         self._mode = mode
         self.max_wait_s = max_wait_s
         self._auto_fifo = auto_fifo
         self.affinity_wait_s = affinity_wait_s
         self.use_affinity = use_affinity
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
         self._workers: set[str] = set()
         self._affinity: dict[str, str] = {}  # episode -> worker holding its KV cache
         self._orphaned: set[str] = set()  # episodes whose cache holder left: next dispatch falls back
         self._entries: dict[str, _Entry] = {}  # request id -> queued entry
         self._by_episode: dict[str, set[str]] = {}  # episode -> queued request ids
         self._worker_queues: dict[str, list[_Item]] = {}
+        self._queued_for: dict[str, int] = {}  # worker -> requests queued for it by affinity
         self._shared: list[_Item] = []
         self._by_age: list[_Item] = []  # every queued request, oldest first: the starvation bound
         self._affine_by_age: list[_Item] = []  # requests in worker queues, to expire their affinity
@@ -238,8 +257,12 @@ class DataRouter:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def next_for_worker(self, worker_id: str, now: float) -> RoutedRequest | None:
-        """The next request for ``worker_id``, or None (also for a worker that is not a member)."""
+    def next_for_worker(
+        self, worker_id: str, now: float, loads: Mapping[str, int] | None = None
+    ) -> RoutedRequest | None:
+        """The next request for ``worker_id``, or None (also for a worker that is not a member).
+        ``loads``: each member's requests running or queued on it now; with them, a worker left
+        with nothing may take a follow-up turn from a worker out of balance with it."""
         if worker_id not in self._workers or not self._entries:
             return None
         self._expire_affinity(now)
@@ -252,7 +275,8 @@ class DataRouter:
         own = _peek_home(self._worker_queues.get(worker_id, []), worker_id)
         shared = _peek_home(self._shared, None)
         if own is None and shared is None:
-            return None
+            taken = self._from_overloaded(worker_id, loads) if loads is not None else None
+            return None if taken is None else self._dispatch(taken, worker_id)
         if own is None:
             best = shared
         elif shared is None:
@@ -282,6 +306,27 @@ class DataRouter:
             return (request.enqueued_at,)
         return (-request.completed_tool_calls, -request.prefix_tokens, request.enqueued_at)
 
+    def _from_overloaded(self, worker_id: str, loads: Mapping[str, int]) -> _Entry | None:
+        """The best follow-up turn waiting for the most loaded worker out of balance with
+        ``worker_id`` (more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
+        times its load), or None. Only workers with turns waiting are weighed: few at a time,
+        since a worker with room admits its turns as they come."""
+        own = loads.get(worker_id, 0)
+        heaviest: tuple[int, str] | None = None
+        for home, count in self._queued_for.items():
+            load = loads.get(home, 0)
+            if (
+                count > 0
+                and home != worker_id
+                and load - own > self.balance_abs_threshold
+                and load > self.balance_rel_threshold * own
+                and (heaviest is None or load > heaviest[0])
+            ):
+                heaviest = (load, home)
+        if heaviest is None:
+            return None
+        return _peek_home(self._worker_queues.get(heaviest[1], []), heaviest[1])
+
     def _home_for(self, request: RoutedRequest) -> str | None:
         worker_id = self._affinity.get(request.episode_id) if self.use_affinity else None
         return worker_id if worker_id in self._workers else None
@@ -290,9 +335,19 @@ class DataRouter:
         self._seq += 1
         entry = _Entry(request, self._seq, self._home_for(request))
         self._entries[request.request_id] = entry
+        self._count_home(entry.home, 1)
         self._by_episode.setdefault(request.episode_id, set()).add(request.request_id)
         heapq.heappush(self._by_age, ((request.enqueued_at,), entry.seq, 0, entry))
         self._push_home(entry)
+
+    def _count_home(self, home: str | None, delta: int) -> None:
+        if home is None:
+            return
+        left = self._queued_for.get(home, 0) + delta
+        if left > 0:
+            self._queued_for[home] = left
+        else:
+            self._queued_for.pop(home, None)
 
     def _push_home(self, entry: _Entry) -> None:
         item: _Item = (self._key(entry), entry.seq, entry.version, entry)
@@ -305,12 +360,15 @@ class DataRouter:
     def _move(self, entry: _Entry, home: str | None) -> None:
         if entry.home == home:
             return
+        self._count_home(entry.home, -1)
+        self._count_home(home, 1)
         entry.home = home
         entry.version += 1  # invalidates the items in the old queue
         self._push_home(entry)
 
     def _remove(self, entry: _Entry) -> None:
         entry.queued = False
+        self._count_home(entry.home, -1)
         del self._entries[entry.request.request_id]
         episode_requests = self._by_episode[entry.request.episode_id]
         episode_requests.discard(entry.request.request_id)

@@ -18,7 +18,7 @@ from scheduler.core.sim.perf import PerfParams
 from scheduler.core.sim.runner import build_simulation, simulate
 from scheduler.core.sim.simulator import ACTOR, ROLLOUT, SimOptions, Simulation
 from scheduler.core.sim.trace import generate_trace, read_trace, write_trace
-from scheduler.core.sim.workloads import Workload, get_workload
+from scheduler.core.sim.workloads import AgenticTurns, Workload, get_workload
 
 TINY = ("math-tiny", "agentic-tiny", "math-tiny-async")
 
@@ -343,6 +343,53 @@ def test_priority_routing_reprefills_less_than_fifo_under_kv_pressure() -> None:
         assert priority.router_mode == "priority" and fifo.router_mode == "fifo"
         assert 0 < priority.reprefilled_tokens < fifo.reprefilled_tokens
         assert priority.affinity_hits >= fifo.affinity_hits
+
+
+def test_engines_that_join_a_rollout_mid_batch_take_follow_up_turns() -> None:
+    # Every episode is admitted at once on the first engines; a follow-up turn asks for the
+    # engine holding its cache, which has room for it. Engines started on GPUs moved to the
+    # rollout mid-batch get work only because the router balances the load.
+    workload = replace(
+        get_workload("agentic-tiny"),
+        model="7B",
+        samples_per_prompt=32,
+        max_running_requests=128,
+        tool_workers=8,
+        tool_slots=64,
+        iterations=1,
+        agentic=AgenticTurns(first_response_median=1200.0, response_decay=1.0, tool_latency_median_s=0.5),
+    )
+    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
+    moved: list[str] = []
+    engines: dict[str, Any] = {}
+
+    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
+        moved.extend(graph.node("inference").device_ids[:4])
+        return [move("inference", ROLLOUT, moved)]
+
+    class Watching(ScriptedPolicy):
+        def decide(
+            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
+        ) -> list[Decision]:
+            engines.update(simulation.engines)  # every engine that ever ran, kept past its end
+            return super().decide(graph, signals, free, now)
+
+    policy = Watching(2.0, script, split=split)
+    simulation = Simulation(
+        workload, policy, generate_trace(workload, 0), options=SimOptions(check_invariants=True)
+    )
+    result = simulation.run()
+    assert result.migrations == 1
+    joined = [e for e in engines.values() if any(d.id in moved for d in e.devices)]
+    first = [e for e in engines.values() if not any(d.id in moved for d in e.devices)]
+    assert len(joined) == 4 and len(first) == 4
+    # The engines that joined decoded a real share of the batch, with the caches they lacked
+    # prefilled again, and nothing was lost.
+    first_mean = sum(e.decoded_tokens for e in first) / len(first)
+    assert min(e.decoded_tokens for e in joined) > 0.2 * first_mean
+    assert simulation.router.stats.affinity_steals > 0
+    assert result.reprefilled_tokens > 0
+    assert result.tokens == expected_tokens(workload)[0]
 
 
 def test_telemetry_reaches_the_policy_as_group_signals() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -198,6 +198,24 @@ def decode_alone_s(coeffs: EngineCoeffs, context_tokens: int, tokens: int) -> fl
     return tokens * (coeffs.fixed_s + coeffs.weights_s) + coeffs.per_context_token_s * context_sum
 
 
+class EngineLoads(Mapping[str, int]):
+    """Each engine's load as the router weighs it (requests running or waiting on it), read when
+    asked: the router looks up only the few engines with follow-up turns waiting for them."""
+
+    def __init__(self, engines: Mapping[str, Engine]) -> None:
+        self._engines = engines
+
+    def __getitem__(self, worker_id: str) -> int:
+        engine = self._engines[worker_id]
+        return engine.batch + len(engine.local)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._engines)
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+
 class Simulation:
     """One job under one policy; ``run()`` once, then read the result (and, in tests, the state)."""
 
@@ -286,6 +304,7 @@ class Simulation:
 
         # Stages.
         self.engines: dict[str, Engine] = {}
+        self.engine_loads = EngineLoads(self.engines)
         self.reward = CpuPool(REWARD, workload.reward_workers, workload.reward_slots, 0.0)
         # A replayed trace may carry multi-turn episodes whatever the workload's kind says.
         needs_tools = workload.kind is WorkloadKind.AGENTIC or any(r.turns > 1 for r in all_records)
@@ -735,7 +754,7 @@ class Simulation:
             if engine.fits(engine.local[0], now):
                 return engine.local.popleft()
             return None
-        routed = self.router.next_for_worker(engine.worker_id, now)
+        routed = self.router.next_for_worker(engine.worker_id, now, self.engine_loads)
         if routed is None:
             return None
         request: SimRequest = routed.payload

@@ -125,6 +125,42 @@ def test_steal_only_after_affinity_wait() -> None:
     assert router.next_for_worker("w0", 13.0) is not None
 
 
+def test_a_worker_out_of_balance_gives_follow_up_turns_to_an_idle_one() -> None:
+    # w2 joined after the episodes were dispatched: every later turn asks for w0 or w1, which
+    # admit it at once, so without the loads w2 would never get work.
+    router = DataRouter(balance_abs_threshold=32)
+    router.set_workers(["w0", "w1", "w2"])
+    for k in range(3):
+        router.note_affinity(f"ep{k}", "w0")
+    router.note_affinity("ep-w1", "w1")
+    for k in range(3):
+        router.submit(_req(f"turn{k}", episode=f"ep{k}", tools=1, at=1.0))
+    router.submit(_req("turn-w1", episode="ep-w1", tools=1, at=1.0))
+    loads = {"w0": 100, "w1": 60, "w2": 0}
+    assert router.next_for_worker("w2", 1.0) is None  # no loads given: affinity holds
+    # The most loaded worker with turns waiting gives first, best turn first.
+    taken = router.next_for_worker("w2", 1.0, loads)
+    assert taken is not None and taken.episode_id in {"ep0", "ep1", "ep2"}
+    assert router.stats.affinity_steals == 1
+    # The cache now lives on w2: that episode's next turn follows it.
+    router.submit(_req("next", episode=taken.episode_id, tools=2, at=2.0))
+    assert router.next_for_worker("w0", 2.0, {"w0": 100, "w1": 60, "w2": 1}).request_id != "next"  # type: ignore[union-attr]
+    assert router.next_for_worker("w2", 2.0, {"w0": 99, "w1": 60, "w2": 1}).request_id == "next"  # type: ignore[union-attr]
+    # Within the absolute threshold the group is in balance: turns wait for their own worker.
+    assert router.next_for_worker("w2", 2.0, {"w0": 40, "w1": 40, "w2": 9}) is None
+    # Out of balance with w1 only (w0 has no turns waiting): w2 takes w1's.
+    router.next_for_worker("w0", 2.0)
+    assert router.next_for_worker("w2", 2.0, {"w0": 0, "w1": 60, "w2": 2}).request_id == "turn-w1"  # type: ignore[union-attr]
+    assert router.stats.affinity_steals == 2
+
+
+def test_balance_thresholds_are_checked() -> None:
+    with pytest.raises(ValueError, match="balance_abs_threshold"):
+        DataRouter(balance_abs_threshold=-1)
+    with pytest.raises(ValueError, match="balance_rel_threshold"):
+        DataRouter(balance_rel_threshold=0.5)
+
+
 def test_starvation_bound_jumps_ahead() -> None:
     router = _router(max_wait_s=30.0)
     router.submit(_req("starved", tools=0, prefix=0, at=0.0))
