@@ -546,6 +546,26 @@ def test_a_re_planned_split_is_held_against_the_next_iteration() -> None:
     assert Reason.REPLAN_BASE_SPLIT.value == "replan_base_split"
 
 
+def test_the_split_is_re_planned_from_what_the_rollout_owns_not_the_most_it_borrowed() -> None:
+    # The rollout owns 8 GPUs. It lent 4 to the trainer and borrowed 2 from the log-prob group
+    # for a while (a group idle at the start of a batch lends its GPUs to the rollout); at the
+    # boundary it holds 6, and it starts the next iteration with its own 8.
+    policy = policy_with()
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 3, first_device=0, gpus_per_worker=2),
+        make_group("inference", ComponentKind.INFERENCE, 1, first_device=20, gpus_per_worker=2),
+        make_group("actor", ACTOR, 4, first_device=50, depends_on=("rollout",)),
+    )
+    policy.ledger.start(0, 0.0)
+    for now in (1.0, 2.0, 3.0, 4.0):
+        policy.ledger.observe(graph, drained(graph, idle=0), now)
+    policy.loans.lend("rollout", "actor", ["d40", "d41", "d42", "d43"], 2.0)
+    policy.loans.lend("inference", "rollout", ["d4", "d5"], 1.0)
+    assert policy.ledger.rollout_gpus_max == 6
+    policy._close_iteration(replace(graph, iteration=1), 10.0)
+    assert policy._rollout_base == 8
+
+
 def test_a_job_placed_colocated_is_left_to_take_its_turns() -> None:
     # Every GPU group on the same four devices: nothing is proposed (the planner would refuse
     # any move of a time-shared GPU), and the policy knows the job runs colocated.

@@ -515,13 +515,16 @@ class DynaRLPolicy(BasePolicy):
                 f"rollout generating; iterations shorter than a few ticks are not measured): "
                 f"{self.mode} stays"
             )
-        if self.mode is Placement.DISAGGREGATED and self._rollout_base is None:
-            # The rollout's GPUs as the driver timed it, else the most the ticks saw it hold.
+        if self.mode is Placement.DISAGGREGATED:
             staged = record.stages.get(ComponentKind.ROLLOUT.value) if record is not None else None
             if staged is not None and staged[1] > 0:
-                self._rollout_base = staged[1]
-            elif self.ledger.rollout_gpus_max > 0:
-                self._rollout_base = self.ledger.rollout_gpus_max
+                # The rollout's GPUs as the driver timed it (the re-plan keeps it from then on).
+                if self._rollout_base is None:
+                    self._rollout_base = staged[1]
+            elif (home := self._home_gpus(graph, ComponentKind.ROLLOUT)) > 0:
+                # What the rollout starts the next iteration with once its loans are home, not
+                # the most it held: GPUs it borrowed for a while are another group's.
+                self._rollout_base = home
         self.ledger.start(graph.iteration, now)
         if record is None:
             return None
@@ -534,6 +537,18 @@ class DynaRLPolicy(BasePolicy):
             gained = seconds_per_work * work(record) - record.duration_s
             self.outcomes.record(kind, gained / predicted_s, graph.iteration)
         return record
+
+    def _home_gpus(self, graph: Hypergraph, kind: ComponentKind) -> int:
+        """The GPUs the groups of ``kind`` own: what they hold, plus what they lent out, less
+        what they borrowed (a GPU in transit on a loan counts for its lender)."""
+        ids = {node.id for node in graph.by_kind(kind)}
+        held = sum(node.gpus for node in graph.by_kind(kind))
+        for loan in self.loans.loans:
+            if loan.lender in ids and loan.borrower not in ids:
+                held += len(loan.device_ids)
+            elif loan.borrower in ids and loan.lender not in ids:
+                held -= len(loan.device_ids)
+        return held
 
     def _replan(self, graph: Hypergraph, record: IterationRecord | None) -> PlacementChoice | None:
         """The placement change the next iteration should run under, or None to keep it."""
