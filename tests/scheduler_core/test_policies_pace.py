@@ -378,6 +378,35 @@ def test_once_the_rollout_is_done_a_synchronous_trainer_inherits_the_upstream_gp
     assert not model_for(graph, signals, memory, now=100.0).trainer_inherits
 
 
+def test_gpus_a_waiting_pipeline_lends_a_synchronous_rollout_cost_it_nothing_until_the_batch_is_in():
+    # 10 s into a batch of a synchronous iteration: the rollout has requests waiting for a slot
+    # and ~90 s to go; the log-prob group (4 GPUs) and the trainer (4) have nothing yet and
+    # 1,250 GPU-seconds between them once the samples come. Their GPUs can only work on what
+    # has arrived, and the rollout's 8 join them once it is done: the pipeline's work is done
+    # no sooner than on 8 GPUs for 90 s and all 16 after.
+    graph = job(inference=4)
+    memory = PaceMemory()
+    memory.batches_started = 1
+    memory.previous_trained_tokens = 100_000.0
+    memory.previous_duration_s = 100.0
+    memory.previous_curve = [100.0 * i / CURVE_POINTS for i in range(CURVE_POINTS + 1)]
+    signals = tick(graph, progress=0.1, in_flight=400, queue=100)
+    signals["inference"] = make_signals(graph.node("inference"), busy=False, progress=0.0)
+    signals["actor"] = make_signals(graph.node("actor"), busy=False, progress=0.0)
+    model = model_for(graph, signals, memory, now=10.0)
+    assert not model.active and model.rollout_s == pytest.approx(90.0)
+    base = model.finish_s()
+    assert base == pytest.approx(10.0 + 90.0 + (1250.0 - 8 * 90.0) / 16)
+    # Two log-prob GPUs lent to the rollout shorten it by a fifth: the pipeline loses nothing.
+    # (Taken to work on 6 GPUs from now on, the 1,250 GPU-seconds would have cost 42 s.)
+    assert model.finish_s({"inference": 2, "rollout": 10}) <= base + 1e-9
+    # A rollout generating ahead (asynchronous RL) keeps its GPUs for the next batch: there the
+    # pipeline's GPUs are all it has.
+    memory.batches_started = 2
+    ahead = model_for(graph, signals, memory, now=10.0)
+    assert ahead.finish_s({"inference": 2, "rollout": 10}) > ahead.finish_s()
+
+
 def test_an_empty_rollout_teaches_the_memory_nothing():
     memory = PaceMemory()
     graph = job()

@@ -435,7 +435,10 @@ class PaceModel:
     Pipeline bounds, in seconds from now:
 
     - all remaining pipeline GPU-seconds over the GPUs of the pipeline groups that have work now
-      (a group waiting for input does not count: its GPUs idle until the input comes);
+      (a group waiting for input does not count: its GPUs idle until the input comes); with none
+      working yet, over the pipeline's GPUs, and in a synchronous iteration only until the
+      rollout's end, every GPU joining them from then on (``_waiting_pipeline_s``): GPUs the
+      pipeline lends the rollout before its input comes cost it nothing;
     - each log-prob (or other non-trainer) group: the rollout's end plus one mini-batch through
       it, and, while it has work, its remaining work at its size;
     - each trainer: the last of those plus one mini-batch, and its remaining work at its size
@@ -655,6 +658,17 @@ class PaceModel:
             default=-math.inf,
         )
         last = max(upstream_end, upstream_end + trainer_drain, trainer_own)
-        if useful_total > 0:
-            last = max(last, (self.base_work + lost_gpu_s) / (active_total or useful_total))
+        if active_total > 0:
+            last = max(last, (self.base_work + lost_gpu_s) / active_total)
+        elif useful_total > 0:
+            last = max(last, self._waiting_pipeline_s(self.base_work + lost_gpu_s, useful_total, rollout_end))
         return self.now + last
+
+    def _waiting_pipeline_s(self, work_gpu_s: float, gpus: int, rollout_end_s: float) -> float:
+        """Seconds the remaining pipeline GPU-seconds take on ``gpus`` while every pipeline group
+        waits for its input. In a synchronous iteration that input is the rollout's batch: the
+        pipeline's GPUs can only work once samples arrive and the rollout's own join them once
+        it is done, so GPUs the pipeline lends the rollout meanwhile cost it nothing until then."""
+        if self.batches_ahead > 0 or self.total_gpus <= gpus or work_gpu_s <= gpus * rollout_end_s:
+            return work_gpu_s / gpus
+        return rollout_end_s + (work_gpu_s - gpus * rollout_end_s) / self.total_gpus
