@@ -74,6 +74,9 @@ class AgenticSettings:
     slots_per_engine: int = 16
     affinity_wait_s: float = 2.0
     max_wait_s: float = 30.0
+    # An engine this many turns less busy than another takes the turns waiting for it (SGLang's
+    # cache-aware router's ``balance_abs_threshold``): engines that join mid-rollout get work.
+    balance_abs_threshold: int = 32
     # How often the dispatcher looks again without a turn finishing (an affinity may expire).
     poll_s: float = 0.02
 
@@ -82,6 +85,8 @@ class AgenticSettings:
             raise ValueError(f"slots_per_engine must be at least 1, got {self.slots_per_engine}")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s must be positive, got {self.poll_s}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must not be negative, got {self.balance_abs_threshold}")
 
     @classmethod
     def for_job(cls, config: RLJobConfig, slots_per_engine: int) -> AgenticSettings:
@@ -93,7 +98,10 @@ class AgenticSettings:
         if self.routing is Routing.FIFO:
             return DataRouter(mode=RouterMode.FIFO, use_affinity=False, max_wait_s=self.max_wait_s)
         return DataRouter(
-            mode=RouterMode.PRIORITY, affinity_wait_s=self.affinity_wait_s, max_wait_s=self.max_wait_s
+            mode=RouterMode.PRIORITY,
+            affinity_wait_s=self.affinity_wait_s,
+            max_wait_s=self.max_wait_s,
+            balance_abs_threshold=self.balance_abs_threshold,
         )
 
 

@@ -180,6 +180,33 @@ def test_a_workload_move_mid_episode_resumes_every_turn_elsewhere_once(
     assert stats.router.affinity_fallbacks >= 1
 
 
+def test_an_engine_that_joins_mid_rollout_takes_follow_up_turns_from_the_busy_one(
+    weights: dict[str, torch.Tensor],
+) -> None:
+    # Every episode starts on engine a; b joins once a has run a few turns (a move to the
+    # rollout landing mid-batch). With affinity that never expires every follow-up turn would go
+    # back to a, which has room for it; out of balance by more than 2 turns, b takes them.
+    problems = iteration_problems(CONFIG, 0)
+    model = gpt_from_weights(CONFIG.model, weights)
+    balanced = dataclasses.replace(STICKY, slots_per_engine=EPISODES, balance_abs_threshold=2)
+    with local_job(CONFIG, weights, rollout_engines=2) as job:
+        pool = EnginePool({"a": job.engines[0]})
+        job.engines[0].slow_down(0.01)
+        with ThreadPoolExecutor(1) as runner:
+            running = runner.submit(
+                AgentLoop(CALCULATOR, balanced).rollout, pool, problems, CONFIG, "job1", 0
+            )
+            engine = job.servers[0].engine
+            assert wait_until(lambda: engine.state()["generated_tokens"] >= 20, timeout_s=TIMEOUT_S)
+            pool.add({"b": job.engines[1]})
+            samples, stats = running.result(TIMEOUT_S)
+    assert_episodes_are_whole(samples, stats, model)
+    # Turns that b took from a, each re-prefilled there; the episodes moved stay with b.
+    assert stats.router.affinity_steals > 0
+    assert any(s.engine == 1 for s in samples)
+    assert stats.router.affinity_fallbacks == 0
+
+
 def test_an_agentic_iteration_trains_on_the_policys_tokens_only(weights: dict[str, torch.Tensor]) -> None:
     with local_job(CONFIG, weights, rollout_engines=2) as job:
         with pytest.raises(ValueError, match="agent loop"):
