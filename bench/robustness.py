@@ -4,10 +4,13 @@ distributions than the generator's, as a ratio to the best static placement on t
     python -m bench.robustness                                   # the table in BENCHMARKS.md
     python -m bench.robustness --workload math-7B-64 --family uniform --iterations 3
     python -m bench.robustness --json
+    python -m bench.robustness --workload math-7B-64 --family constant --family shrinking  # not in the table
 
 For each workload, the generator's episodes are drawn once (``--seed``) and their response lengths
 redrawn per family (``scheduler/core/sim/families.py``: lognormal, uniform, pareto, bimodal,
-growing; lognormal and longer-turns for agentic workloads). Every policy runs on the same trace;
+growing; lognormal and longer-turns for agentic workloads; more for math workloads when named with
+``--family``: constant, shrinking, tail-vanishes, tail-appears, exponential, wide). Every policy
+runs on the same trace;
 a row's ratios divide each policy's tokens/s by the best static placement's, the better of
 static-colocated and static-disaggregated on that trace. The targets are dynarl's: never below the
 best static placement, at least 1.15x it where the lengths have a tail, and within 2% of the best
@@ -26,7 +29,7 @@ from typing import Any
 
 from scheduler.core.decisions import Reason
 from scheduler.core.policies import POLICY_NAMES
-from scheduler.core.sim.families import LengthFamily, families_for, reshape
+from scheduler.core.sim.families import LengthFamily, families_drawn_for, families_for, reshape
 from scheduler.core.sim.runner import simulate
 from scheduler.core.sim.simulator import SimOptions
 from scheduler.core.sim.trace import generate_trace
@@ -88,7 +91,9 @@ def run(
     for name in workloads:
         workload = get_workload(name)
         base = generate_trace(workload, seed, iterations=iterations)
-        for family in families_for(workload):
+        # The table's families, or those asked for that this kind of workload draws.
+        drawn = families_for(workload) if families is None else families_drawn_for(workload)
+        for family in drawn:
             if families is not None and family not in families:
                 continue
             records = reshape(base, workload, family, seed)

@@ -11,8 +11,11 @@ import pytest
 from bench import robustness
 from scheduler.core.sim.families import (
     BIMODAL_LONG_FROM,
+    CONSTANT_FRACTION,
+    SWITCH_ITERATION,
     UNIFORM_RANGE,
     LengthFamily,
+    families_for,
     median_response,
     reshape,
 )
@@ -77,6 +80,32 @@ def test_growing_lengths_double_their_median_every_iteration(math_trace: list) -
     assert medians[2] / medians[1] == pytest.approx(2.0, rel=0.2)
 
 
+def test_the_families_outside_the_table_draw_the_shapes_they_name(math_trace: list) -> None:
+    assert all(f not in families_for(MATH) for f in (LengthFamily.CONSTANT, LengthFamily.WIDE))
+    constant = lengths(reshape(math_trace, MATH, LengthFamily.CONSTANT, seed=0))
+    half = CONSTANT_FRACTION * MATH.max_new_tokens
+    ordered = sorted(constant)
+    assert 0.85 * half < ordered[len(ordered) // 100] and ordered[-len(ordered) // 100] < 1.15 * half
+    assert not LengthFamily.CONSTANT.has_tail and not LengthFamily.TAIL_VANISHES.has_tail
+    shrinking = reshape(math_trace, MATH, LengthFamily.SHRINKING, seed=0)
+    medians = [statistics.median(lengths(shrinking, k)) for k in range(3)]
+    assert medians[1] / medians[0] == pytest.approx(0.5, rel=0.2)
+    assert medians[2] / medians[1] == pytest.approx(0.5, rel=0.2)
+    # A tail that vanishes: the generator's own lengths, then uniform ones; and the other way.
+    vanishes = reshape(math_trace, MATH, LengthFamily.TAIL_VANISHES, seed=0)
+    appears = reshape(math_trace, MATH, LengthFamily.TAIL_APPEARS, seed=0)
+    for k in range(3):
+        lognormal, uniform = (vanishes, appears) if k < SWITCH_ITERATION else (appears, vanishes)
+        assert lengths(lognormal, k) == lengths(math_trace, k)
+        assert UNIFORM_RANGE[0] <= min(lengths(uniform, k)) and max(lengths(uniform, k)) <= UNIFORM_RANGE[1]
+    median = median_response(MATH)
+    exponential = lengths(reshape(math_trace, MATH, LengthFamily.EXPONENTIAL, seed=0))
+    assert 0.85 * median < statistics.median(exponential) < 1.15 * median
+    wide = sorted(lengths(reshape(math_trace, MATH, LengthFamily.WIDE, seed=0)))
+    generator = sorted(lengths(math_trace))
+    assert wide[len(wide) // 20] < generator[len(generator) // 20]  # a wider spread both ways
+
+
 def test_agentic_later_turns_grow_and_math_families_are_refused_for_agentic() -> None:
     trace = generate_trace(AGENTIC, 0, iterations=1)
     reshaped = reshape(trace, AGENTIC, LengthFamily.LONGER_TURNS, seed=0)
@@ -88,6 +117,8 @@ def test_agentic_later_turns_grow_and_math_families_are_refused_for_agentic() ->
     assert [r.turns for r in reshaped] == [r.turns for r in trace]
     with pytest.raises(ValueError, match="not drawn for agentic"):
         reshape(trace, AGENTIC, LengthFamily.UNIFORM, seed=0)
+    with pytest.raises(ValueError, match="not drawn for agentic"):
+        reshape(trace, AGENTIC, LengthFamily.CONSTANT, seed=0)
     with pytest.raises(ValueError, match="not drawn for math"):
         reshape(generate_trace(MATH, 0, iterations=1), MATH, LengthFamily.LONGER_TURNS, seed=0)
 
@@ -113,3 +144,8 @@ def test_the_robustness_program_prints_each_policy_against_the_best_static_place
     assert "| math-tiny | uniform |" in out and "| math-tiny | pareto |" in out
     assert "2 traces checked" in out
     assert "## What dynarl re-planned" in out and "| math-tiny | uniform | D | none |" in out
+    # A family outside the table runs when named; one the workload's kind does not draw, nowhere.
+    assert robustness.main(["--workload", "math-tiny", "--family", "constant", "--iterations", "1"]) == 0
+    assert "| math-tiny | constant |" in capsys.readouterr().out
+    assert robustness.main(["--workload", "math-tiny", "--family", "longer-turns", "--iterations", "1"]) == 0
+    assert "0 traces checked" in capsys.readouterr().out

@@ -11,6 +11,18 @@ redrawn from another distribution, so a policy is tried on workloads it was not 
 - ``longer-turns`` (agentic workloads): each later turn of an episode longer than the one before,
   the case where the DataRouter's shorter-turns-first ordering no longer holds.
 
+Drawn only when asked for by name (``EXTRA_MATH_FAMILIES``, not in the table by default): shapes
+the policies were not built on, to check a change against more than the table.
+
+- ``constant``: every response near half of ``max_new_tokens`` (within a few percent): no tail,
+  and long.
+- ``shrinking``: the generator's shape, its median starting at twice the generator's and halving
+  every iteration (answers getting shorter as a curriculum eases).
+- ``tail-vanishes``: the generator's own lengths for two iterations, then uniform ones.
+- ``tail-appears``: uniform lengths for two iterations, then the generator's own.
+- ``exponential``: exponentially distributed, the generator's median.
+- ``wide``: lognormal at twice the generator's per-sample spread, its median.
+
 Every family is deterministic per seed, clips to ``[min_tokens, max_new_tokens]`` and keeps each
 record's episode, prompt, iteration, prompt length, tool calls and reward latency.
 """
@@ -32,6 +44,11 @@ BIMODAL_LONG_SHARE = 0.2
 BIMODAL_SHORT_SIGMA = 0.3
 BIMODAL_LONG_FROM = 0.6  # long answers are drawn from this fraction of max_new_tokens up to all of it
 GROWING_START = 0.25  # of the generator's median, at iteration 0; it doubles every iteration
+SHRINKING_START = 2.0  # of the generator's median, at iteration 0; it halves every iteration
+CONSTANT_FRACTION = 0.5  # of max_new_tokens
+CONSTANT_SIGMA = 0.05
+SWITCH_ITERATION = 2  # tail-vanishes / tail-appears change shape from this iteration on
+WIDE_SIGMA_FACTOR = 2.0
 LONGER_TURNS_GROWTH = 1.6  # turn k's response is about this many times turn k-1's
 
 
@@ -42,11 +59,23 @@ class LengthFamily(StrEnum):
     BIMODAL = "bimodal"
     GROWING = "growing"
     LONGER_TURNS = "longer-turns"
+    CONSTANT = "constant"
+    SHRINKING = "shrinking"
+    TAIL_VANISHES = "tail-vanishes"
+    TAIL_APPEARS = "tail-appears"
+    EXPONENTIAL = "exponential"
+    WIDE = "wide"
 
     @property
     def has_tail(self) -> bool:
-        """Does this family leave most engines waiting on a few long responses?"""
-        return self is not LengthFamily.UNIFORM
+        """Does this family leave most engines waiting on a few long responses, every
+        iteration? (The targets ask more of dynarl there.)"""
+        return self not in (
+            LengthFamily.UNIFORM,
+            LengthFamily.CONSTANT,
+            LengthFamily.TAIL_VANISHES,
+            LengthFamily.TAIL_APPEARS,
+        )
 
 
 MATH_FAMILIES = (
@@ -57,10 +86,26 @@ MATH_FAMILIES = (
     LengthFamily.GROWING,
 )
 AGENTIC_FAMILIES = (LengthFamily.LOGNORMAL, LengthFamily.LONGER_TURNS)
+EXTRA_MATH_FAMILIES = (
+    LengthFamily.CONSTANT,
+    LengthFamily.SHRINKING,
+    LengthFamily.TAIL_VANISHES,
+    LengthFamily.TAIL_APPEARS,
+    LengthFamily.EXPONENTIAL,
+    LengthFamily.WIDE,
+)
 
 
 def families_for(workload: Workload) -> tuple[LengthFamily, ...]:
+    """The robustness table's families for ``workload``."""
     return AGENTIC_FAMILIES if workload.kind is WorkloadKind.AGENTIC else MATH_FAMILIES
+
+
+def families_drawn_for(workload: Workload) -> tuple[LengthFamily, ...]:
+    """Every family ``reshape`` draws for ``workload``: the table's, and the extra ones."""
+    if workload.kind is WorkloadKind.AGENTIC:
+        return AGENTIC_FAMILIES
+    return (*MATH_FAMILIES, *EXTRA_MATH_FAMILIES)
 
 
 def median_response(workload: Workload) -> float:
@@ -77,7 +122,7 @@ def reshape(
     ``lognormal``). Raises ValueError for a family that does not fit the workload's kind."""
     if family is LengthFamily.LOGNORMAL:
         return list(records)
-    if family not in families_for(workload):
+    if family not in families_drawn_for(workload):
         raise ValueError(f"the {family} family is not drawn for {workload.kind} workloads")
     rng = random.Random(f"{workload.name}:{seed}:{family}")
     low = (
@@ -93,6 +138,11 @@ def reshape(
 
     reshaped = []
     for record in records:
+        if (family is LengthFamily.TAIL_VANISHES and record.iteration < SWITCH_ITERATION) or (
+            family is LengthFamily.TAIL_APPEARS and record.iteration >= SWITCH_ITERATION
+        ):
+            reshaped.append(record)  # the generator's own lengths
+            continue
         if family is LengthFamily.LONGER_TURNS:
             first = median * math.exp(workload.agentic.response_sigma * rng.gauss(0.0, 1.0))
             lengths = tuple(
@@ -110,8 +160,17 @@ def reshape(
 def _draw(
     family: LengthFamily, rng: random.Random, median: float, high: int, iteration: int, workload: Workload
 ) -> float:
-    if family is LengthFamily.UNIFORM:
+    if family in (LengthFamily.UNIFORM, LengthFamily.TAIL_VANISHES, LengthFamily.TAIL_APPEARS):
         return rng.uniform(*UNIFORM_RANGE)
+    if family is LengthFamily.CONSTANT:
+        return CONSTANT_FRACTION * high * math.exp(CONSTANT_SIGMA * rng.gauss(0.0, 1.0))
+    if family is LengthFamily.SHRINKING:
+        shrunk = median * SHRINKING_START * math.pow(0.5, max(0, iteration))
+        return shrunk * math.exp(workload.math.sigma_sample * rng.gauss(0.0, 1.0))
+    if family is LengthFamily.EXPONENTIAL:
+        return rng.expovariate(math.log(2.0) / median)  # median = ln 2 / rate
+    if family is LengthFamily.WIDE:
+        return median * math.exp(WIDE_SIGMA_FACTOR * workload.math.sigma_sample * rng.gauss(0.0, 1.0))
     if family is LengthFamily.PARETO:
         # The median of a Pareto(x_m, alpha) is x_m * 2**(1/alpha).
         scale = median / math.pow(2.0, 1 / PARETO_ALPHA)
