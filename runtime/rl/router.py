@@ -64,9 +64,7 @@ class RouterStats:
     dispatched: int
     affinity_hits: int  # dispatched to the worker holding the episode's cache
     affinity_fallbacks: int  # that worker was gone, dispatched elsewhere
-    affinity_steals: (
-        int  # that worker was alive: the request waited past affinity_wait_s or it was overloaded
-    )
+    affinity_steals: int  # that worker was alive: the request waited too long, or it was overloaded
     starvation_promotions: int  # dispatched ahead of the order because older than max_wait_s
     mode_now: RouterMode
     queued: int
