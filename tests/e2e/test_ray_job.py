@@ -98,7 +98,7 @@ def test_an_agentic_job_calls_its_tool_workers_turn_by_turn_and_succeeds(
     at a boundary (a re-placement included), the trainer keeps a size its batch splits over."""
     start_ray_agents(live_stack, ray_cluster, warm_start_cache)
     spec = real_job(
-        "real-agentic", kind="agentic", iterations=4, max_turns=3, tool_latency_s=0.01, max_new_tokens=44
+        "real-agentic", kind="agentic", iterations=6, max_turns=3, tool_latency_s=0.01, max_new_tokens=44
     )
     spec["components"].insert(2, {"name": "tools", "kind": "tool", "workers": 1})
     spec["policy"] = {"name": "dynarl"}
@@ -108,7 +108,7 @@ def test_an_agentic_job_calls_its_tool_workers_turn_by_turn_and_succeeds(
 
     status, results = live_stack.api("GET", f"/api/v1/jobs/{job.pk}/iterations/")
     assert status == 200, results
-    assert [r["iteration"] for r in results] == list(range(4))
+    assert [r["iteration"] for r in results] == list(range(6))
     for result in results:
         metrics = result["metrics"]
         agentic = metrics["agentic"]
@@ -122,11 +122,13 @@ def test_an_agentic_job_calls_its_tool_workers_turn_by_turn_and_succeeds(
         assert metrics["tokens_trained"] < metrics["tokens_generated"]  # tool answers are not trained
     # One optimizer step per iteration, unbroken whatever dynarl did at the boundaries (a
     # re-placement included: the trainer resumes from its kept state).
-    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(4)]
+    assert [r["metrics"]["weight_version"] for r in results] == [str(k + 1) for k in range(6)]
     # dynarl's reasoning at each boundary is in the audit trail: what the iteration measured (the
     # driver's report of its phases; these iterations are too short for the ticks' signals) and
     # the placement that follows, or, where a boundary's tick came before the iteration's result
-    # was recorded, that it saw too little; any placement change it made went through.
+    # was recorded, that it saw too little; any placement change it made went through. Iterations
+    # take about a second here: on a loaded machine a tick may see two boundaries at once, or
+    # first look at the job after its first iteration (that look learns from the driver's report).
     replans = list(AuditEvent.objects.filter(job=job, verb="replan").values_list("reason", flat=True))
     assert any("rollout body" in r for r in replans), replans
     assert all("rollout body" in r or "too little of it seen" in r for r in replans), replans

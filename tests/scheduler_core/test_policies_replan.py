@@ -10,6 +10,7 @@ from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Reason
 from scheduler.core.hypergraph import ComponentKind, Hypergraph, Parallelism
 from scheduler.core.policies import Placement
+from scheduler.core.policies.dynarl import DynaRLPolicy
 from scheduler.core.policies.outcomes import MIN_OUTCOMES, MoveOutcomes, OpenOutcome
 from scheduler.core.policies.replan import (
     TRIAL_MARGIN_PRIOR,
@@ -20,14 +21,21 @@ from scheduler.core.policies.replan import (
     measured_record,
     time_shared,
 )
+from scheduler.core.policies.serial import SerialDriver
 from scheduler.core.signals import GroupSignals, MeasuredIteration
 from scheduler.core.sim.families import LengthFamily, reshape
 from scheduler.core.sim.runner import simulate
 from scheduler.core.sim.simulator import SimOptions
 from scheduler.core.sim.trace import TraceRecord, generate_trace
 from scheduler.core.sim.workloads import get_workload
-from tests.scheduler_core.test_policies_dynarl import drained, job, policy_with
-from tests.scheduler_core.test_policies_fixtures import make_graph, make_group, make_signals
+from tests.scheduler_core.test_policies_dynarl import RATES, drained, job, policy_with
+from tests.scheduler_core.test_policies_fixtures import (
+    linear_profiles,
+    make_graph,
+    make_group,
+    make_policy,
+    make_signals,
+)
 
 ROLLOUT = ComponentKind.ROLLOUT
 ACTOR = ComponentKind.ACTOR
@@ -418,6 +426,32 @@ def test_a_boundary_learns_from_the_drivers_measurement_of_the_iteration_it_clos
     restored.ledger.start(4, 8.0)
     restored.on_iteration_end(job(), 9.0)
     assert restored.replanner.last == learnt  # still learnt once, across the state's round trip
+
+
+def test_a_job_first_looked_at_past_its_first_iteration_learns_from_the_drivers_measurement() -> None:
+    """Ticks that fell behind iterations of a second or two: the policy's first look at the job
+    is a boundary, read from the driver's report of the iteration that finished."""
+    fresh = make_policy("dynarl", predictor=linear_profiles(RATES))
+    assert isinstance(fresh, DynaRLPolicy)
+    assert not fresh.iteration_advanced(job())  # first seen in its first iteration: nothing ended
+    later = make_graph(*job().nodes, iteration=3)
+    assert fresh.iteration_advanced(later)
+    fresh.observe_iteration(
+        MeasuredIteration(iteration=2, duration_s=6.0, generate_s=2.0, busy_s={ACTOR: 1.0}, tokens=1e3)
+    )
+    driver = SerialDriver(fresh, placement_changes=True)
+    driver.next_decision(later, {}, [], 10.0)
+    assert driver.iteration_ended
+    assert fresh.replan_note.startswith("iteration 2 (disaggregated) took 6.0s: rollout body 2.0s"), (
+        fresh.replan_note
+    )
+    assert fresh.replanner.last is not None and fresh.replanner.last.iteration == 2
+    assert not fresh.iteration_advanced(later)  # the next tick of iteration 3 is not a boundary
+    # Without a driver's report (ticks alone) the first look learns nothing and says nothing.
+    quiet = make_policy("dynarl", predictor=linear_profiles(RATES))
+    assert isinstance(quiet, DynaRLPolicy)
+    SerialDriver(quiet, placement_changes=True).next_decision(later, {}, [], 10.0)
+    assert quiet.replanner.last is None and quiet.replan_note == ""
 
 
 def test_colocated_is_predicted_with_the_trainer_on_the_gpus_its_valid_sizes_allow() -> None:

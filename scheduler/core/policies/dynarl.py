@@ -487,6 +487,13 @@ class DynaRLPolicy(BasePolicy):
 
     # -- re-planning at the boundary -----------------------------------------------------------
 
+    def iteration_advanced(self, graph: Hypergraph) -> bool:
+        # A job first looked at past its first iteration (ticks that fell behind iterations of a
+        # second or two) has a finished iteration its driver timed: that first look is a boundary.
+        if self.clock.iteration is None:
+            return graph.iteration > 0
+        return super().iteration_advanced(graph)
+
     def observe_iteration(self, measured: MeasuredIteration) -> None:
         """The job's driver measured ``measured``, its latest finished iteration: a boundary that
         closes that iteration learns from it rather than from the ticks."""
@@ -499,8 +506,8 @@ class DynaRLPolicy(BasePolicy):
         measured = self._measured
         if (
             measured is not None
-            and closing is not None
-            and measured.iteration >= closing
+            # No iteration open: the policy's first look at the job, which learns the latest one.
+            and (closing is None or measured.iteration >= closing)
             # Each measurement is learnt once: a boundary that finds the driver's report of the
             # iteration it closes not in yet must not learn the previous one again.
             and (self._measured_learnt is None or measured.iteration > self._measured_learnt)
