@@ -3,7 +3,9 @@ a spawned child can import them). Each rank writes what it saw to ``<scratch>/<r
 
 from __future__ import annotations
 
+import faulthandler
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,20 @@ from tests.runtime.rl.batches import trainer_config
 BEFORE = 2
 MICRO_BATCH = 2
 TIMEOUT_S = 60.0
+# A rank still running after this long is hung (the test kills it at 240 s): every thread's stack
+# goes to stderr first, which the failing test's report shows.
+HUNG_AFTER_S = 200.0
+
+
+def run_rank(
+    body: Callable[[int, str, list[list[Trajectory]]], None],
+    index: int,
+    scratch: str,
+    batches: list[list[Trajectory]],
+) -> None:
+    """A spawned process's target: ``body`` as rank ``index``, its stacks dumped if it hangs."""
+    faulthandler.dump_traceback_later(HUNG_AFTER_S)
+    body(index, scratch, batches)
 
 
 def _store(scratch: str, users: int) -> c10d.Store:

@@ -25,7 +25,7 @@ from runtime.rl.state_transfer import (
 )
 from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainStepMetrics
 from tests.runtime.rl.batches import grpo_batch, trainer_config
-from tests.runtime.rl.migrating_ranks import BEFORE, MICRO_BATCH, grow, new_rank_dies, shrink
+from tests.runtime.rl.migrating_ranks import BEFORE, MICRO_BATCH, grow, new_rank_dies, run_rank, shrink
 from tests.services import wait_until
 
 torch.set_num_threads(1)
@@ -40,7 +40,7 @@ def run_ranks(
     """Run ``body`` in ``ranks`` spawned processes; returns what they saved and their exit codes."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as scratch:
-        processes = [context.Process(target=body, args=(i, scratch, BATCHES)) for i in range(ranks)]
+        processes = [context.Process(target=run_rank, args=(body, i, scratch, BATCHES)) for i in range(ranks)]
         for process in processes:
             process.start()
         for process in processes:
@@ -108,7 +108,7 @@ def test_shrinking_onto_a_new_rank_moves_the_state_and_the_old_ranks_leave() -> 
 
 def test_a_new_rank_dying_mid_transfer_leaves_the_old_rank_training_as_if_nothing_happened() -> None:
     saved, codes = run_ranks(new_rank_dies, 2)
-    assert codes == [0, 3]
+    assert codes == [0, 3], sorted(saved)
     old = saved["old"]
     assert old["error"], "the sender's transfer should have failed"
     assert old["after_failure"] == old["untouched"]
