@@ -152,10 +152,11 @@ def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
         ("reward", "actor", 1, "release_devices"),
     )
     armed: dict[str, str | None] = dict.fromkeys(live_stack.agents)
-    for index, (donor, recipient, workers, killed) in enumerate(drills):
+    for index, move in enumerate(drills):
+        donor, recipient, _, killed = move
         following = drills[index + 1][3] if index + 1 < len(drills) else None
         before = allocation(job)
-        moved = drill(live_stack, job, (donor, recipient, workers, killed), armed, following)
+        moved = drill(live_stack, job, move, armed, following)
         assert moved.state == MigrationState.COMMITTED, (killed, moved.error, live_stack.logs())
         assert {"migration.plan", "migration.commit"} <= verbs(moved)
         assert "migration.rollback" not in verbs(moved)

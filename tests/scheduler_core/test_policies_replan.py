@@ -10,7 +10,6 @@ from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Reason
 from scheduler.core.hypergraph import ComponentKind, Hypergraph, Parallelism
 from scheduler.core.policies import Placement
-from scheduler.core.policies.dynarl import DynaRLPolicy
 from scheduler.core.policies.outcomes import MIN_OUTCOMES, MoveOutcomes, OpenOutcome
 from scheduler.core.policies.replan import (
     TRIAL_MARGIN_PRIOR,
@@ -28,14 +27,8 @@ from scheduler.core.sim.runner import simulate
 from scheduler.core.sim.simulator import SimOptions
 from scheduler.core.sim.trace import TraceRecord, generate_trace
 from scheduler.core.sim.workloads import get_workload
-from tests.scheduler_core.test_policies_dynarl import RATES, drained, job, policy_with
-from tests.scheduler_core.test_policies_fixtures import (
-    linear_profiles,
-    make_graph,
-    make_group,
-    make_policy,
-    make_signals,
-)
+from tests.scheduler_core.test_policies_dynarl import drained, job, policy_with
+from tests.scheduler_core.test_policies_fixtures import make_graph, make_group, make_signals
 
 ROLLOUT = ComponentKind.ROLLOUT
 ACTOR = ComponentKind.ACTOR
@@ -431,8 +424,7 @@ def test_a_boundary_learns_from_the_drivers_measurement_of_the_iteration_it_clos
 def test_a_job_first_looked_at_past_its_first_iteration_learns_from_the_drivers_measurement() -> None:
     """Ticks that fell behind iterations of a second or two: the policy's first look at the job
     is a boundary, read from the driver's report of the iteration that finished."""
-    fresh = make_policy("dynarl", predictor=linear_profiles(RATES))
-    assert isinstance(fresh, DynaRLPolicy)
+    fresh = policy_with({})
     assert not fresh.iteration_advanced(job())  # first seen in its first iteration: nothing ended
     later = make_graph(*job().nodes, iteration=3)
     assert fresh.iteration_advanced(later)
@@ -448,8 +440,7 @@ def test_a_job_first_looked_at_past_its_first_iteration_learns_from_the_drivers_
     assert fresh.replanner.last is not None and fresh.replanner.last.iteration == 2
     assert not fresh.iteration_advanced(later)  # the next tick of iteration 3 is not a boundary
     # Without a driver's report (ticks alone) the first look learns nothing and says nothing.
-    quiet = make_policy("dynarl", predictor=linear_profiles(RATES))
-    assert isinstance(quiet, DynaRLPolicy)
+    quiet = policy_with({})
     SerialDriver(quiet, placement_changes=True).next_decision(later, {}, [], 10.0)
     assert quiet.replanner.last is None and quiet.replan_note == ""
 
