@@ -4,9 +4,22 @@ stops without leaving its actor behind."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+
+import psutil
 import ray
 
-from agents.backends.ray.actors import node_workers, start_engine_worker, stop_worker, worker_handle
+from agents.backends.ray.actors import (
+    ActorProcess,
+    actor_process,
+    node_workers,
+    start_engine_worker,
+    stop_worker,
+    worker_handle,
+)
 from agents.backends.ray.connection import connect, find_node
 from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import EngineSettings
@@ -34,8 +47,25 @@ def test_an_engine_worker_runs_pinned_to_its_node_with_its_devices_and_stops(
         client = EngineClient(url)
         result = client.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.0}, return_logprob=True)
         assert result.completion_tokens == 4 and len(result.output_logprobs) == 4
+        process = actor_process(handle, timeout_s=30)
+        assert process is not None and process.running_here()
     finally:
         assert stop_worker("node-b", "j1-rollout-w0")
+    assert not process.running_here()  # stopped means its process has ended, not only been told to
     assert node_workers("node-b") == [] and worker_handle("node-b", "j1-rollout-w0") is None
     assert not stop_worker("node-b", "j1-rollout-w0")  # stopping it again is not an error
     assert not EngineClient(url, timeout_s=2.0).health()  # its server ended with it
+
+
+def test_an_actor_process_is_running_only_while_that_very_process_lives_on_this_host() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(child.pid).create_time()
+        alive = ActorProcess(host=socket.gethostname(), pid=child.pid, started=started)
+        assert alive.running_here()
+        assert not replace(alive, started=started - 1).running_here()  # the pid, reused by another
+        assert not replace(alive, host=f"not-{socket.gethostname()}").running_here()
+    finally:
+        child.kill()
+    child.wait(timeout=30)
+    assert not alive.running_here()

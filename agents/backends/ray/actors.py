@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import psutil
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -61,6 +62,8 @@ ENGINE_KINDS: Final = ("rollout", "inference")
 WORKER_THREADS: Final = 2
 # Calls one tool worker serves at once: the calculator's latency stands for a remote tool's.
 TOOL_CONCURRENCY: Final = 16
+# How long a kill waits for an actor to say which process it runs in; a busy one is killed unasked.
+PROCESS_PROBE_S: Final = 2.0
 
 
 # The control plane names a job's workers j<job>-<group>-w<i> at launch and <group>-m<job>-<decision>-w<k>
@@ -330,18 +333,59 @@ def stop_worker(node: str, worker: str, *, timeout_s: float = 30.0) -> bool:
     return True
 
 
-def kill_actor(handle: Any, name: str, *, timeout_s: float) -> None:
-    """Kill an actor and return once it is dead (its process gone, calls to it failing) and its
-    name is free for a new one."""
-    ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + timeout_s
+@dataclass(frozen=True)
+class ActorProcess:
+    """Which process an actor runs in: its host, pid and start time (a pid alone can be reused)."""
+
+    host: str
+    pid: int
+    started: float
+
+    def running_here(self) -> bool:
+        """Whether this process still runs, seen from this host; False for another host's."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            process = psutil.Process(self.pid)
+            # A zombie has ended (its sockets closed); only its parent's reaping is left.
+            return process.create_time() == self.started and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def this_process() -> ActorProcess:
+    process = psutil.Process()
+    return ActorProcess(host=socket.gethostname(), pid=process.pid, started=process.create_time())
+
+
+def actor_process(handle: Any, *, timeout_s: float) -> ActorProcess | None:
+    """The actor's process, or None when the actor does not answer within ``timeout_s`` (still
+    starting, busy in a call, or dead)."""
     try:
-        # Answers RayActorError once the actor is dead; its process is gone by then.
-        ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        found = ray.get(handle.__ray_call__.remote(lambda _actor: this_process()), timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+    return found if isinstance(found, ActorProcess) else None
+
+
+def kill_actor(handle: Any, name: str, *, timeout_s: float) -> None:
+    """Kill an actor and return once it is dead (calls to it failing, its process gone when it ran
+    on this host and answered who it was) and its name is free for a new one."""
+    deadline = time.monotonic() + timeout_s
+    # Ray reports an actor dead as soon as it is told to kill it, a moment before its process (and
+    # what that process serves, such as an engine's port) has ended; so learn the process first.
+    process = actor_process(handle, timeout_s=min(PROCESS_PROBE_S, timeout_s))
+    ray.kill(handle, no_restart=True)
+    try:
+        ray.get(handle.__ray_ready__.remote(), timeout=max(0.0, deadline - time.monotonic()))
     except ray.exceptions.RayActorError:
         pass
     except ray.exceptions.GetTimeoutError as exc:
         raise TimeoutError(f"the actor {name} was still alive {timeout_s:g} s after it was killed") from exc
+    while process is not None and process.running_here():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the process of actor {name} still runs {timeout_s:g} s after it was killed")
+        time.sleep(0.05)  # a process of another parent offers no exit event to wait on
     while name in ray.util.list_named_actors():
         if time.monotonic() > deadline:
             raise TimeoutError(f"the actor {name} still exists {timeout_s:g} s after it was killed")
