@@ -353,6 +353,27 @@ def test_a_split_that_gave_log_probs_more_gpus_than_their_work_is_re_planned_fro
     )
 
 
+def test_a_shift_to_the_rollout_that_costs_nothing_if_the_rollout_gains_nothing_needs_only_the_noise_margin() -> (
+    None
+):
+    # agentic-7B-64 with later turns longer: the log-prob group's 16 GPUs are busy under half the
+    # iteration, and 8 of them to the rollout are predicted about 9% faster, under the 10% that
+    # covers the model's error. With the 8 it keeps, the log-prob group still keeps pace with a
+    # rollout that would not be any faster, so the shift risks only the job's pace noise.
+    workload = replace(get_workload("agentic-7B-64"), iterations=2)
+    records = reshape(generate_trace(workload, 0, iterations=2), workload, LengthFamily.LONGER_TURNS, 0)
+
+    def rebased(**params: Any) -> list[Any]:
+        result = simulate(
+            workload, "dynarl", records=records, params=params, options=SimOptions(iterations=2)
+        )
+        return [m for m in result.moves if m.reason == Reason.REPLAN_BASE_SPLIT.value]
+
+    [shift] = rebased()
+    assert (shift.recipient, shift.gpus, shift.iteration) == ("rollout", 8, 1)
+    assert rebased(bounded_replan_margin=0.1) == []
+
+
 def test_the_live_policy_records_a_placement_it_cannot_switch_to() -> None:
     policy = policy_with()
     policy.placement_changes_supported = False

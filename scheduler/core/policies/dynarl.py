@@ -121,7 +121,8 @@ class DynaRLPolicy(BasePolicy):
     switch included, and back when the tail returns; a placement never run on the job must beat
     the margin by the model's own measured error. Disaggregated, the base split (the rollout's
     GPUs at the start of an iteration) shifts by whole workers when the placement model predicts
-    the shifted split ``replan_margin`` faster. The live control plane cannot switch a running
+    the shifted split ``replan_margin`` faster (``bounded_replan_margin`` for a shift to the
+    rollout that would cost nothing even if the rollout gained nothing from it). The live control plane cannot switch a running
     job's placement (``placement_changes_supported``): there the choice is only recorded.
 
     Do no harm (``outcomes.MoveOutcomes``): per kind of move (which kind of group gave to which,
@@ -152,6 +153,7 @@ class DynaRLPolicy(BasePolicy):
     | `replan` | True | re-plan the placement and the base split at iteration boundaries from what the job measured |
     | `colocate` | True | whether a re-plan may switch the job to colocated (off where engines and trainer cannot share a GPU's memory) |
     | `replan_margin` | 0.1 | share of an iteration the other placement (switch included) or a shifted split must save |
+    | `bounded_replan_margin` | 0.05 | the same for a shift to the rollout that loses nothing even if the rollout gains nothing from it |
     | `probation_iterations` | 5 | iterations a kind of move that lost time is not made, before one fresh trial |
     """
 
@@ -218,6 +220,14 @@ class DynaRLPolicy(BasePolicy):
             "replan_margin",
             0.1,
             "share of an iteration the other placement must save, switch included, to switch",
+            minimum=0.0,
+            maximum=1.0,
+        ),
+        ParamSpec(
+            "bounded_replan_margin",
+            0.05,
+            "share of an iteration a shifted split must save when it loses nothing even if the "
+            "rollout gains nothing from the GPUs it is given (the job's pace noise, not the model's error)",
             minimum=0.0,
             maximum=1.0,
         ),
@@ -648,6 +658,7 @@ class DynaRLPolicy(BasePolicy):
             return boundary
         returning = {d for decision in returns for d in decision.device_ids}
         margin = self.param_float("replan_margin")
+        bounded_margin = self.param_float("bounded_replan_margin")
         best: tuple[float, Decision, str, int, Decision | None] | None = None
         declined: list[str] = []
         for partner in partners:
@@ -670,11 +681,17 @@ class DynaRLPolicy(BasePolicy):
                     else:
                         after_s = model.disaggregated_s(record, rollout_after)
                     saving = 1.0 - after_s / now_s
+                    needed, risk = margin, ""
+                    if sign > 0 and self._rollout_gain_is_all_upside(
+                        record, partner, base, rollout_after, now_s
+                    ):
+                        needed = min(margin, bounded_margin)
+                        risk = f"; no slower even if the rollout gains nothing, so {needed:.0%} is enough"
                     kind = f"rebase:{move_kind(donor, recipient)}"
                     trust, suspended = self.outcomes.trust(kind, graph.iteration)
                     if (
                         suspended is not None
-                        or saving * trust < margin
+                        or saving * trust < needed
                         or (best is not None and saving <= best[0])
                     ):
                         continue
@@ -697,7 +714,7 @@ class DynaRLPolicy(BasePolicy):
                         f"{seconds(record.rollout_tail_s)}s, pipeline {seconds(record.pipeline_gpu_s)} GPU-s: "
                         f"{len(devices)} GPUs of {donor.id} to {recipient.id} for the next iteration{via} "
                         f"(the rollout on {rollout_after} GPUs instead of {base}; predicted {saving:.0%} faster, "
-                        f"{seconds(saving_s)}s an iteration for a {candidate.migration_cost_s:.1f}s move)"
+                        f"{seconds(saving_s)}s an iteration for a {candidate.migration_cost_s:.1f}s move{risk})"
                     )
                     decision = make_decision(
                         self.name,
@@ -731,6 +748,26 @@ class DynaRLPolicy(BasePolicy):
         self._rebase_open = (kind, saving * record.duration_s, record.duration_s / max(work(record), 1e-9))
         self.last_replan = f"{self.last_replan}; {decision.detail}" if self.last_replan else decision.detail
         return [*boundary, decision]
+
+    def _rollout_gain_is_all_upside(
+        self, record: IterationRecord, partner: HyperNode, base: int, rollout_after: int, now_s: float
+    ) -> bool:
+        """Whether GPUs shifted from ``partner`` to the rollout cost nothing even if the rollout
+        gains nothing from them: the iteration predicted with the rollout's work as long as it
+        was and the partner on fewer GPUs is no slower than now. How much more engines shorten
+        a rollout depends on how full they run, which the model knows least; what the partner
+        loses it measured. Such a shift risks no more than the job's pace noise, so it needs
+        ``bounded_replan_margin`` rather than the margin that covers the model's error."""
+        model = self.replanner.model
+        if record.stages:
+            held = record.stages[partner.kind.value][1]
+            shifted = rollout_after - base
+            worst_s = model.staged_s(
+                record, {ComponentKind.ROLLOUT.value: base, partner.kind.value: held - shifted}
+            )
+        else:
+            worst_s = model.disaggregated_s(record, rollout_after, body_gpus=base)
+        return worst_s <= now_s
 
     def _rebase_shifts(
         self,

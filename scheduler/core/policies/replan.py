@@ -31,7 +31,10 @@ there (while the job's shape stays as it was); one never tried must beat the cur
 model's own measured error on this job's last crossing. That is the no-harm rule at this level:
 a wrong guess costs one iteration, and the measurement it leaves stops it from being made again
 while the job stays as it is. The margin (``replan_margin``) keeps small predicted gains from
-flapping the placement. A switch's one-off cost is the cost model's estimate until the job has
+flapping the placement. A shifted split whose worst case loses nothing (GPUs to the rollout that
+would leave the iteration no slower if the rollout gained nothing from them: ``body_gpus`` in
+``PlacementModel.disaggregated_s``) needs only a margin for the job's pace noise; dynarl's
+``bounded_replan_margin``. A switch's one-off cost is the cost model's estimate until the job has
 switched once; from then on, no less than what the switch measured (the time from the boundary
 to the first tick in the new layout, which is not charged to the iteration that follows).
 """
@@ -359,17 +362,22 @@ class PlacementModel:
         rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, record.rollout_s)
         return rollout + record.pipeline_gpu_s / spread + self.stage_switches_s(n) + record.idle_s
 
-    def disaggregated_s(self, record: IterationRecord, rollout_gpus: int) -> float:
+    def disaggregated_s(
+        self, record: IterationRecord, rollout_gpus: int, body_gpus: int | None = None
+    ) -> float:
         """The rollout's body on its ``rollout_gpus``, its tail on the engines that keep the
         stragglers while the rest serve the pipeline (after one trainer move), then the pipeline's
         remaining work on every GPU, no less than its last mini-batch. An iteration whose stages
         were timed one after another on a disaggregated split lent nothing between them: it is
-        predicted stage by stage (``staged_s``)."""
+        predicted stage by stage (``staged_s``). ``body_gpus``: the GPUs the body's work spreads
+        over, where that is not all of ``rollout_gpus`` (a bound: engines added to a batch too
+        thin to fill them do not shorten it)."""
         if record.stages and record.placement is Placement.DISAGGREGATED:
-            return self.staged_s(record, {ComponentKind.ROLLOUT.value: rollout_gpus})
+            spread = rollout_gpus if body_gpus is None else body_gpus
+            return self.staged_s(record, {ComponentKind.ROLLOUT.value: spread})
         n = max(1, record.total_gpus)
         rollout_gpus = min(max(1, rollout_gpus), n)
-        body = record.rollout_body_gpu_s / rollout_gpus
+        body = record.rollout_body_gpu_s / min(max(1, body_gpus or rollout_gpus), n)
         if record.placement is Placement.DISAGGREGATED and record.rollout_tail_s > 0:
             kept = min(record.tail_gpus, float(rollout_gpus))
         else:
