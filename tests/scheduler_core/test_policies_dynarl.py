@@ -428,6 +428,17 @@ def test_a_finished_borrower_passes_the_gpus_on_to_a_trainer_with_work_waiting()
     assert any(loan.borrower == "actor" and loan.lender == "rollout" for loan in policy.loans.loans)
 
 
+def test_a_finished_borrower_keeps_the_gpus_for_a_trainer_that_has_just_started_its_last_mini_batch():
+    # The trainer's windowed utilisation has not caught up with its start yet; its running work
+    # has. Sent home now, the GPUs would sit on a rollout with nothing to generate, and the return
+    # would hold both groups in their cooldown while the trainer trains on the GPUs it has.
+    policy, graph, done = finished_borrower(actor_queue=0)
+    done["actor"] = make_signals(
+        graph.node("actor"), in_flight=1, utilisation_mean=0.05, utilisation_p50=0.05, progress=0.9
+    )
+    assert not any(d.reason is Reason.RETURN_BORROWED for d in policy.decide(graph, done, [], now=100.0))
+
+
 def test_a_borrower_with_work_left_keeps_the_gpus_until_iteration_end():
     graph = pipeline_job()
     policy = policy_with(cooldown_s=0.0)

@@ -1598,13 +1598,19 @@ class DynaRLPolicy(BasePolicy):
                 continue
             if self._sustained_s(borrower_id, sig, now) + 1e-9 < self.param_float("sustain_s"):
                 continue
-            waiting = self._ranked_recipients(graph, signals, model, busy, now)
+            waiting = {node.id for node in self._ranked_recipients(graph, signals, model, busy, now)}
             if not self._ever_ahead and any(
-                node.id not in (lender_id, borrower_id) and not node.is_dynamic for node in waiting
+                node.id not in (lender_id, borrower_id)
+                and not node.is_dynamic
+                and (node.id in waiting or _started_work(signals.get(node.id)))
+                for node in graph.nodes
             ):
                 # The trainer has work waiting for GPUs and the next batch cannot start before it
                 # is done (the rollout never generated ahead on this job): the borrower passes the
-                # GPUs on to it (``_best_shrink``) rather than sending them home to wait.
+                # GPUs on to it (``_best_shrink``) rather than sending them home to wait. A
+                # trainer that has just started its last mini-batch counts before its windowed
+                # utilisation shows it: a return now would hold both groups in their cooldown
+                # while it trains on the GPUs it has.
                 continue
             for move in self.loans.return_moves(graph, lender=lender_id, borrower=borrower_id):
                 if not movable_at_runtime(move.borrower):
@@ -1810,6 +1816,12 @@ def _has_work_waiting(node: HyperNode, sig: GroupSignals, u_low: float) -> bool:
     if sig.queue_length > 0:
         return True
     return not node.is_dynamic and sig.in_flight > 0 and sig.utilisation_p50 >= u_low
+
+
+def _started_work(sig: GroupSignals | None) -> bool:
+    """Whether the group has work on its workers or queued for them, as of its latest samples
+    (not its window's utilisation, which lags a start by up to a window)."""
+    return sig is not None and (sig.in_flight > 0 or sig.queue_length > 0)
 
 
 def _least_used_first(node: HyperNode, sig: GroupSignals) -> list[Worker]:
