@@ -122,8 +122,9 @@ class DynaRLPolicy(BasePolicy):
     the margin by the model's own measured error. Disaggregated, the base split (the rollout's
     GPUs at the start of an iteration) shifts by whole workers when the placement model predicts
     the shifted split ``replan_margin`` faster (``bounded_replan_margin`` for a shift to the
-    rollout that would cost nothing even if the rollout gained nothing from it). The live control plane cannot switch a running
-    job's placement (``placement_changes_supported``): there the choice is only recorded.
+    rollout that would cost nothing even if the rollout gained nothing from it). The live
+    control plane cannot switch a running job's placement (``placement_changes_supported``):
+    there the choice is only recorded.
 
     Do no harm (``outcomes.MoveOutcomes``): per kind of move (which kind of group gave to which,
     and each direction of a re-planned split), what the moves were predicted to gain is held
