@@ -225,12 +225,28 @@ class Trainer:
         )
 
     def leave_group(self) -> None:
-        """Drop the DDP wrapper (its reducer's gradient hooks go with it) and the group."""
+        """Drop the DDP wrapper (its reducer's gradient hooks go with it), then the group. A
+        trainer in a group calls this before it is dropped (``close``)."""
         self.model = None
-        self.group = None
         self.generation = ""
-        # The old reducer must be gone before a new DDP hooks the same parameters.
+        # The old reducer must be gone before a new DDP hooks the same parameters, and it must go
+        # while this trainer still holds the group. A reducer left with the group's last reference
+        # destroys it holding the GIL, and gloo's destructor joins its worker threads, one of
+        # which may be waiting for the GIL to free a finished all-reduce's tensors: a deadlock.
         gc.collect()
+        # The group's own binding releases the GIL while gloo's threads finish.
+        self.group = None
+
+    def close(self) -> None:
+        """Leave the current group and drop a prepared one (see ``leave_group``)."""
+        self.leave_group()
+        self.drop_prepared_group()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _joined(self) -> tuple[DistributedDataParallel, c10d.ProcessGroup]:
         if self.model is None or self.group is None:

@@ -110,3 +110,4 @@ def train_and_save(
         {"weights": trainer.engine_weights(), "metrics": metrics},
         Path(out_dir) / f"rank{rank}.pt",
     )
+    trainer.close()

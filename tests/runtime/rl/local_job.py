@@ -76,6 +76,7 @@ def local_job(
             store=c10d.FileStore(str(scratch / "store"), 1), rank=0, world_size=1, timeout_s=TIMEOUT_S
         )
         trainer = Trainer(config.trainer_config(), rendezvous, initial_weights=weights)
+        stack.callback(trainer.close)
         pusher = WeightPusher(
             [server.url for server, _ in served], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S
         )

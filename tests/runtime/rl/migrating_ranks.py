@@ -75,6 +75,7 @@ def grow(index: int, scratch: str, batches: list[list[Trajectory]]) -> None:
             metrics=before + after,
             world=trainer.world_size,
         )
+        trainer.close()
     else:
         trainer = Trainer(config, None)
         standby = state_checksums(trainer)
@@ -92,6 +93,7 @@ def grow(index: int, scratch: str, batches: list[list[Trajectory]]) -> None:
             step_after_transfer=report.step,
             metrics=after,
         )
+        trainer.close()
 
 
 def shrink(index: int, scratch: str, batches: list[list[Trajectory]]) -> None:
@@ -108,6 +110,7 @@ def shrink(index: int, scratch: str, batches: list[list[Trajectory]]) -> None:
             transfer_state(trainer, TransferRendezvous(store, 0, 2, "transfer-1", TIMEOUT_S))
         trainer.leave_group()
         _save(scratch, f"old{index}", trainer, metrics=before, checksums=state_checksums(trainer))
+        trainer.close()
     else:
         trainer = Trainer(config, None)
         transfer_state(trainer, TransferRendezvous(store, 1, 2, "transfer-1", TIMEOUT_S))
@@ -115,6 +118,7 @@ def shrink(index: int, scratch: str, batches: list[list[Trajectory]]) -> None:
         trainer.regroup(_dp(store, 0, 1, "dp-1"))
         after = [trainer.train_step(batch) for batch in batches[BEFORE:]]
         _save(scratch, "new", trainer, received=received, metrics=after, world=trainer.world_size)
+        trainer.close()
 
 
 def new_rank_dies(index: int, scratch: str, batches: list[list[Trajectory]]) -> None:
@@ -144,6 +148,7 @@ def new_rank_dies(index: int, scratch: str, batches: list[list[Trajectory]]) -> 
             metrics=before + after,
             generation=trainer.generation,
         )
+        trainer.close()
     else:
         # A receiver's first steps, as transfer_state takes them: check in, join the group.
         store.set("transfer-1/present/1", "1")

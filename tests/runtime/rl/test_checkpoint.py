@@ -56,6 +56,8 @@ def test_a_loaded_state_is_the_saved_one_exactly_and_training_goes_on_as_without
     ]
     for name, tensor in through.engine_weights().items():
         assert torch.equal(tensor, resumed.engine_weights()[name]), name
+    for rank in (through, stopped, resumed):
+        rank.close()
 
 
 def test_a_torn_missing_or_foreign_state_is_refused_and_nothing_is_loaded(tmp_path: Path) -> None:
@@ -79,3 +81,5 @@ def test_a_torn_missing_or_foreign_state_is_refused_and_nothing_is_loaded(tmp_pa
     assert state_checksums(fresh) == before
     # No partial file is left beside the kept one.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["torn.pt", "trainer.pt"]
+    for rank in (trainer, fresh, other):
+        rank.close()

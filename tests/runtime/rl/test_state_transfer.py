@@ -53,12 +53,12 @@ def run_ranks(
 
 def unmigrated() -> tuple[dict[str, torch.Tensor], list[TrainStepMetrics]]:
     """The same four steps on one rank, no migration: what the migrated runs are held against."""
-    trainer = Trainer(
+    with Trainer(
         trainer_config(len(BATCHES[0]), MICRO_BATCH),
         DataParallelRendezvous(store=c10d.HashStore(), rank=0, world_size=1, generation="alone"),
-    )
-    metrics = [trainer.train_step(batch) for batch in BATCHES]
-    return trainer.engine_weights(), metrics
+    ) as trainer:
+        metrics = [trainer.train_step(batch) for batch in BATCHES]
+        return trainer.engine_weights(), metrics
 
 
 def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
@@ -155,6 +155,7 @@ def test_a_transfer_abandoned_before_a_receiver_arrives_frees_the_sender_at_once
     assert str(outcome[0]) == "the transfer was abandoned: actor-m9-w0 failed: its actor died"
     assert state_checksums(sender) == untouched
     assert sender.train_step(BATCHES[1]).step == 2  # it trains on in its own group
+    sender.close()
 
 
 def test_a_receiver_that_checks_in_and_never_connects_fails_the_transfer_at_the_connect() -> None:
@@ -171,6 +172,7 @@ def test_a_receiver_that_checks_in_and_never_connects_fails_the_transfer_at_the_
         transfer_state(sender, rendezvous, {"iteration": 1})
     assert state_checksums(sender) == untouched
     assert sender.train_step(BATCHES[1]).step == 2  # it trains on in its own group
+    sender.close()
 
 
 def test_a_transfer_needs_a_sender_and_a_receiver_and_a_standby_rank_cannot_train() -> None:

@@ -55,6 +55,7 @@ def test_a_step_raises_positive_advantage_responses_and_lowers_negative_ones() -
         sum((1.0 if s.reward else -1.0) * len(s.response_ids) for s in batch) / metrics.grpo.response_tokens
     )
     assert metrics.grpo.policy_loss == pytest.approx(-token_advantage, abs=1e-4)
+    trainer.close()
 
 
 def test_the_global_batch_is_fixed_and_weights_round_trip_in_engine_names() -> None:
@@ -70,6 +71,7 @@ def test_the_global_batch_is_fixed_and_weights_round_trip_in_engine_names() -> N
         trainer.train_step(batch[:2])
     trainer.train_step(batch)
     assert not torch.equal(trainer.engine_weights()["lm_head.weight"], warm["lm_head.weight"])
+    trainer.close()
 
 
 def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
@@ -94,6 +96,7 @@ def test_two_ranks_end_identical_and_equal_to_one_rank_on_the_same_global_batche
     single = Trainer(trainer_config(len(batches[0]), micro_batch_size=2), lone_rank("reference"))
     single_metrics = [single.train_step(batch) for batch in batches]
     single_weights = single.engine_weights()
+    single.close()
 
     # After the all-reduce every rank applies the same gradient to the same parameters: the
     # ranks must agree bit for bit.
