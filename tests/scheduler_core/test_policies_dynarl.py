@@ -743,6 +743,68 @@ def test_drained_groups_pool_their_gpus_when_no_single_one_reaches_a_valid_train
     assert sorted((d.recipient, len(d.device_ids)) for d in back) == [("inference", 4), ("rollout", 4)]
 
 
+def test_gpus_a_trainer_lent_go_home_in_a_pooled_move_when_no_return_alone_reaches_a_valid_size():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    # The trainer owns 2 ranks, lent to the log-prob group while it waited for samples; the 8 it
+    # trains on are the rollout's.
+    own = ["n0-g20", "n0-g21"]
+    policy.loans.lend("actor", "inference", own, at=70.0)
+    policy.loans.lend("rollout", "actor", [f"n0-g{40 + i}" for i in range(8)], at=80.0)
+    # Taking back only its own leaves it at 10 ranks, the other idle GPUs without them at 14:
+    # the pool of every idle GPU, its own included, is its one way to 16.
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    assert first.reason is Reason.DONOR_LOW_UTILISATION and first.recipient == "actor"
+    chosen = first.chosen
+    assert chosen is not None and set(own) <= set(chosen.device_ids) and len(chosen.device_ids) == 8
+    graph = land(graph, [first])
+    [second] = policy.decide(graph, signals, [], now=92.0)
+    graph = land(graph, [second])
+    assert len(graph.node("actor").workers) == 16
+    # Its own GPUs came home: at the iteration's end it gives back the rest and keeps them.
+    back = policy.on_iteration_end(replace(graph, iteration=1), now=120.0)
+    assert sorted((d.recipient, len(d.device_ids)) for d in back) == [("inference", 2), ("rollout", 12)]
+    assert not set(own) & {d for decision in back for d in decision.device_ids}
+
+
+def test_gpus_a_trainer_lent_are_not_pooled_for_another_group():
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),
+        make_group("inference", INFERENCE, 4, first_device=20, min_workers=0, depends_on=("rollout",)),
+        make_group(
+            "trainer",
+            ACTOR,
+            8,
+            first_device=40,
+            depends_on=("inference",),
+            parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
+        ),
+        make_group(
+            "actor",
+            ACTOR,
+            8,
+            first_device=60,
+            depends_on=("inference",),
+            parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
+        ),
+    )
+    done = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
+    waiting = {"in_flight": 0, "progress": 0.0, "busy": False, "utilisation_mean": 0.0}
+    signals = {
+        "rollout": make_signals(graph.node("rollout"), idle=4, max_in_flight_per_worker=64, **done),
+        "inference": make_signals(graph.node("inference"), idle=4, **done),
+        "trainer": make_signals(graph.node("trainer"), idle=8, **waiting),
+        "actor": make_signals(graph.node("actor"), queue_length=3, in_flight=1, progress=0.5),
+    }
+    policy = policy_with(memory(batch_done=True))
+    policy.loans.lend("trainer", "inference", ["n0-g20", "n0-g21"], at=80.0)
+    decisions = policy.decide(graph, signals, [], now=90.0)
+    # The working trainer may pool the idle groups' own GPUs, never the other trainer's.
+    moved = {d for decision in decisions for d in decision.device_ids}
+    chosen = {d for decision in decisions if decision.chosen for d in decision.chosen.device_ids}
+    assert not {"n0-g20", "n0-g21"} & (moved | chosen)
+
+
 def test_a_pooled_move_survives_a_restart_of_the_policy_and_is_dropped_when_its_gpus_move_away():
     graph, signals = finished_stages()
     policy = policy_with(memory(batch_done=True))

@@ -1237,7 +1237,8 @@ class DynaRLPolicy(BasePolicy):
         candidates: list[Candidate] = []
         # GPUs a static group lent stay where they are until it takes them back: a trainer's
         # valid data-parallel sizes rarely survive collecting them back from several groups.
-        pinned = self.loans.lent_by([n.id for n in graph.nodes if not n.is_dynamic])
+        # Offered to that group itself, they are going home.
+        pinned = self.loans.lenders_of([n.id for n in graph.nodes if not n.is_dynamic])
         offers: list[tuple[HyperNode, list[Worker]]] = []
         single_reach: dict[str, int] = {}  # recipient -> most GPUs one donor can give it validly
         bundled: dict[tuple[str, str], list[tuple[Worker, ...]]] = {}  # (donor, recipient) -> bundles
@@ -1248,7 +1249,7 @@ class DynaRLPolicy(BasePolicy):
             offered_ids = (
                 list(by_id) if not sig.busy else [w for w in sig.low_utilisation_workers if w in by_id]
             )
-            idle = [by_id[w] for w in offered_ids if not any(d.id in pinned for d in by_id[w].devices)]
+            idle = [by_id[w] for w in offered_ids]
             if not idle:
                 continue
             offers.append((donor, idle))
@@ -1257,7 +1258,10 @@ class DynaRLPolicy(BasePolicy):
                 continue
             per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
             for recipient in recipients:
-                offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, idle))
+                free_to_go = _not_pinned_away(idle, pinned, recipient)
+                if not free_to_go:
+                    continue
+                offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, free_to_go))
                 valid, problem = _valid_prefixes(donor, recipient, offered)
                 if not valid:
                     candidates.append(
@@ -1273,7 +1277,7 @@ class DynaRLPolicy(BasePolicy):
         pooled: dict[tuple[str, ...], list[_Move]] = {}
         candidates.extend(
             self._pooled_candidates(
-                offers, graph, signals, model, base, busy, now, pooled, single_reach, bundled
+                offers, graph, signals, model, base, busy, now, pooled, single_reach, bundled, pinned
             )
         )
         decision, marked = self._choose(
@@ -1299,6 +1303,7 @@ class DynaRLPolicy(BasePolicy):
         legs_of: dict[tuple[str, ...], list[_Move]],
         single_reach: Mapping[str, int],
         bundled: dict[tuple[str, str], list[tuple[Worker, ...]]],
+        pinned: Mapping[str, str],
     ) -> list[Candidate]:
         """Shrink candidates that pool the idle workers of several donors: a recipient whose valid
         sizes are far apart (a trainer's data-parallel sizes are powers of two) may reach the next
@@ -1308,7 +1313,8 @@ class DynaRLPolicy(BasePolicy):
         spans two donors and leaves the recipient at a valid size larger than any single donor
         can give it (``single_reach``): a smaller pooled move would only cost more migrations
         than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
-        caches each (donor, recipient) pair's bundles."""
+        caches each (donor, recipient) pair's bundles; ``pinned`` maps devices a static group
+        lent to that group, the only recipient they go to."""
         if len(offers) < 2:
             return []
         donors = {donor.id: donor for donor, _ in offers}
@@ -1327,7 +1333,10 @@ class DynaRLPolicy(BasePolicy):
                 refused = False
                 offered = bundled.get((donor.id, recipient.id))
                 if offered is None:
-                    offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, idle))
+                    offered = bundled.setdefault(
+                        (donor.id, recipient.id),
+                        bundles(recipient, _not_pinned_away(idle, pinned, recipient)),
+                    )
                 for bundle in offered:
                     if any(not recipient.accepts_hardware(d.hardware) for w in bundle for d in w.devices):
                         refused = True
@@ -1823,6 +1832,14 @@ def _started_work(sig: GroupSignals | None) -> bool:
     """Whether the group has work on its workers or queued for them, as of its latest samples
     (not its window's utilisation, which lags a start by up to a window)."""
     return sig is not None and (sig.in_flight > 0 or sig.queue_length > 0)
+
+
+def _not_pinned_away(
+    workers: Sequence[Worker], pinned: Mapping[str, str], recipient: HyperNode
+) -> list[Worker]:
+    """``workers`` less those holding a device that ``pinned`` says a group other than
+    ``recipient`` lent (and waits to take back)."""
+    return [w for w in workers if all(pinned.get(d.id, recipient.id) == recipient.id for d in w.devices)]
 
 
 def _least_used_first(node: HyperNode, sig: GroupSignals) -> list[Worker]:

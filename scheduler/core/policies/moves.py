@@ -333,10 +333,10 @@ class LoanBook:
                 remaining.append(Loan(loan.lender, loan.borrower, keep, loan.at))
         self.loans = remaining
 
-    def lent_by(self, lenders: Iterable[str]) -> set[str]:
-        """Devices currently owed to any of ``lenders``."""
+    def lenders_of(self, lenders: Iterable[str]) -> dict[str, str]:
+        """Devices currently owed to any of ``lenders``, each to its lender."""
         wanted = set(lenders)
-        return {d for loan in self.loans if loan.lender in wanted for d in loan.device_ids}
+        return {d: loan.lender for loan in self.loans if loan.lender in wanted for d in loan.device_ids}
 
     def reconcile(self, graph: Hypergraph, in_flight: set[str]) -> None:
         """Keep only loaned devices the borrower holds or that are still on their way to it; the
