@@ -767,6 +767,38 @@ def test_gpus_a_trainer_lent_go_home_in_a_pooled_move_when_no_return_alone_reach
     assert not set(own) & {d for decision in back for d in decision.device_ids}
 
 
+def test_a_trainer_is_given_the_other_idle_gpus_before_its_own_lent_ones():
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),
+        make_group("inference", INFERENCE, 4, first_device=20, min_workers=0, depends_on=("rollout",)),
+        make_group(
+            "actor",
+            ACTOR,
+            2,
+            first_device=40,
+            depends_on=("inference",),
+            parallelism=Parallelism(valid_dp=(1, 2, 4, 8)),
+        ),
+    )
+    done = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
+    signals = {
+        "rollout": make_signals(
+            graph.node("rollout"), max_in_flight_per_worker=64, in_flight=40, progress=0.6, busy=True
+        ),
+        "inference": make_signals(graph.node("inference"), idle=4, **done),
+        "actor": make_signals(graph.node("actor"), queue_length=3, in_flight=1, progress=0.5),
+    }
+    policy = policy_with(memory(batch_done=True))
+    # One of the log-prob group's GPUs is the trainer's: taking back only that leaves 3 ranks.
+    policy.loans.lend("actor", "inference", ["n0-g20"], at=70.0)
+    [move] = policy.decide(graph, signals, [], now=90.0)
+    # 2 -> 4 ranks takes two of the log-prob group's own idle GPUs; the trainer's stays owed, to
+    # come back when a move needs it (as in the pooled move above) or at a valid return.
+    assert move.reason is Reason.DONOR_LOW_UTILISATION, move
+    assert move.recipient == "actor" and move.donor == "inference"
+    assert len(move.device_ids) == 2 and "n0-g20" not in move.device_ids
+
+
 def test_gpus_a_trainer_lent_are_not_pooled_for_another_group():
     graph = make_graph(
         make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),

@@ -1258,7 +1258,7 @@ class DynaRLPolicy(BasePolicy):
                 continue
             per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
             for recipient in recipients:
-                free_to_go = _not_pinned_away(idle, pinned, recipient)
+                free_to_go = _offered_to(recipient, idle, pinned)
                 if not free_to_go:
                     continue
                 offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, free_to_go))
@@ -1335,7 +1335,7 @@ class DynaRLPolicy(BasePolicy):
                 if offered is None:
                     offered = bundled.setdefault(
                         (donor.id, recipient.id),
-                        bundles(recipient, _not_pinned_away(idle, pinned, recipient)),
+                        bundles(recipient, _offered_to(recipient, idle, pinned)),
                     )
                 for bundle in offered:
                     if any(not recipient.accepts_hardware(d.hardware) for w in bundle for d in w.devices):
@@ -1834,12 +1834,14 @@ def _started_work(sig: GroupSignals | None) -> bool:
     return sig is not None and (sig.in_flight > 0 or sig.queue_length > 0)
 
 
-def _not_pinned_away(
-    workers: Sequence[Worker], pinned: Mapping[str, str], recipient: HyperNode
-) -> list[Worker]:
-    """``workers`` less those holding a device that ``pinned`` says a group other than
-    ``recipient`` lent (and waits to take back)."""
-    return [w for w in workers if all(pinned.get(d.id, recipient.id) == recipient.id for d in w.devices)]
+def _offered_to(recipient: HyperNode, workers: Sequence[Worker], pinned: Mapping[str, str]) -> list[Worker]:
+    """The ``workers`` a shrink move may give ``recipient``: none holding a device that
+    ``pinned`` says another group lent (it waits to take them back), and those holding the
+    recipient's own last, so that a move takes them only when it needs more than the rest."""
+    lenders = [{pinned[d.id] for d in w.devices if d.id in pinned} for w in workers]
+    others = [w for w, lent_by in zip(workers, lenders, strict=True) if not lent_by]
+    own = [w for w, lent_by in zip(workers, lenders, strict=True) if lent_by == {recipient.id}]
+    return others + own
 
 
 def _least_used_first(node: HyperNode, sig: GroupSignals) -> list[Worker]:
