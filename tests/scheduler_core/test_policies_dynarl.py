@@ -9,6 +9,7 @@ from scheduler.core.hypergraph import (
     ComponentKind,
     HyperEdge,
     Hypergraph,
+    HyperNode,
     MigrationStrategy,
     Parallelism,
     Worker,
@@ -692,26 +693,34 @@ def _decision_moving(donor: str, recipient: str, device_ids: list[str]) -> Any:
 # -- pooled moves ------------------------------------------------------------------------------
 
 
-def finished_stages() -> tuple[Hypergraph, dict[str, GroupSignals]]:
+DONE = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
+
+
+def trainer(group_id: str, workers: int, first_device: int) -> HyperNode:
+    """A trainer of 1-GPU ranks fed by the log-prob group, at power-of-two sizes only."""
+    return make_group(
+        group_id,
+        ACTOR,
+        workers,
+        first_device=first_device,
+        depends_on=("inference",),
+        parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
+    )
+
+
+def finished_stages(actor_workers: int = 8, *others: HyperNode) -> tuple[Hypergraph, dict[str, GroupSignals]]:
     """A synchronous iteration after its rollout and log-probs are done: both groups idle and
-    allowed to give up every worker; the trainer (8 ranks, powers of two only) has half its
-    iteration left and mini-batches ready."""
+    allowed to give up every worker; the trainer (``actor_workers`` ranks) has half its
+    iteration left and mini-batches ready. ``others``: more groups, their signals to be added."""
     graph = make_graph(
         make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),
         make_group("inference", INFERENCE, 4, first_device=20, min_workers=0, depends_on=("rollout",)),
-        make_group(
-            "actor",
-            ACTOR,
-            8,
-            first_device=40,
-            depends_on=("inference",),
-            parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
-        ),
+        trainer("actor", actor_workers, first_device=40),
+        *others,
     )
-    done = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
     signals = {
-        "rollout": make_signals(graph.node("rollout"), idle=4, max_in_flight_per_worker=64, **done),
-        "inference": make_signals(graph.node("inference"), idle=4, **done),
+        "rollout": make_signals(graph.node("rollout"), idle=4, max_in_flight_per_worker=64, **DONE),
+        "inference": make_signals(graph.node("inference"), idle=4, **DONE),
         "actor": make_signals(graph.node("actor"), queue_length=3, in_flight=1, progress=0.5),
     }
     return graph, signals
@@ -768,26 +777,10 @@ def test_gpus_a_trainer_lent_go_home_in_a_pooled_move_when_no_return_alone_reach
 
 
 def test_a_trainer_is_given_the_other_idle_gpus_before_its_own_lent_ones():
-    graph = make_graph(
-        make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),
-        make_group("inference", INFERENCE, 4, first_device=20, min_workers=0, depends_on=("rollout",)),
-        make_group(
-            "actor",
-            ACTOR,
-            2,
-            first_device=40,
-            depends_on=("inference",),
-            parallelism=Parallelism(valid_dp=(1, 2, 4, 8)),
-        ),
+    graph, signals = finished_stages(2)
+    signals["rollout"] = make_signals(
+        graph.node("rollout"), max_in_flight_per_worker=64, in_flight=40, progress=0.6, busy=True
     )
-    done = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
-    signals = {
-        "rollout": make_signals(
-            graph.node("rollout"), max_in_flight_per_worker=64, in_flight=40, progress=0.6, busy=True
-        ),
-        "inference": make_signals(graph.node("inference"), idle=4, **done),
-        "actor": make_signals(graph.node("actor"), queue_length=3, in_flight=1, progress=0.5),
-    }
     policy = policy_with(memory(batch_done=True))
     # One of the log-prob group's GPUs is the trainer's: taking back only that leaves 3 ranks.
     policy.loans.lend("actor", "inference", ["n0-g20"], at=70.0)
@@ -800,34 +793,9 @@ def test_a_trainer_is_given_the_other_idle_gpus_before_its_own_lent_ones():
 
 
 def test_gpus_a_trainer_lent_are_not_pooled_for_another_group():
-    graph = make_graph(
-        make_group("rollout", ROLLOUT, 4, first_device=0, min_workers=0),
-        make_group("inference", INFERENCE, 4, first_device=20, min_workers=0, depends_on=("rollout",)),
-        make_group(
-            "trainer",
-            ACTOR,
-            8,
-            first_device=40,
-            depends_on=("inference",),
-            parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
-        ),
-        make_group(
-            "actor",
-            ACTOR,
-            8,
-            first_device=60,
-            depends_on=("inference",),
-            parallelism=Parallelism(valid_dp=(1, 2, 4, 8, 16)),
-        ),
-    )
-    done = {"in_flight": 0, "progress": 1.0, "busy": False, "utilisation_mean": 0.0}
+    graph, signals = finished_stages(8, trainer("trainer", 8, first_device=60))
     waiting = {"in_flight": 0, "progress": 0.0, "busy": False, "utilisation_mean": 0.0}
-    signals = {
-        "rollout": make_signals(graph.node("rollout"), idle=4, max_in_flight_per_worker=64, **done),
-        "inference": make_signals(graph.node("inference"), idle=4, **done),
-        "trainer": make_signals(graph.node("trainer"), idle=8, **waiting),
-        "actor": make_signals(graph.node("actor"), queue_length=3, in_flight=1, progress=0.5),
-    }
+    signals["trainer"] = make_signals(graph.node("trainer"), idle=8, **waiting)
     policy = policy_with(memory(batch_done=True))
     policy.loans.lend("trainer", "inference", ["n0-g20", "n0-g21"], at=80.0)
     decisions = policy.decide(graph, signals, [], now=90.0)
