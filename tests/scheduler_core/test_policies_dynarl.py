@@ -805,6 +805,22 @@ def test_gpus_a_trainer_lent_are_not_pooled_for_another_group():
     assert not {"n0-g20", "n0-g21"} & (moved | chosen)
 
 
+def test_a_group_holding_only_gpus_lent_by_another_trainer_takes_no_place_in_a_pooled_move():
+    ref = make_group("ref", INFERENCE, 4, first_device=30, min_workers=0, depends_on=("rollout",))
+    graph, signals = finished_stages(8, trainer("trainer", 8, first_device=60), ref)
+    waiting = {"in_flight": 0, "progress": 0.0, "busy": False, "utilisation_mean": 0.0}
+    signals["trainer"] = make_signals(graph.node("trainer"), idle=8, **waiting)
+    signals["ref"] = make_signals(ref, idle=4, **DONE)
+    policy = policy_with(memory(batch_done=True))
+    # Every idle GPU of the log-prob group is the other trainer's: the pool is the rollout's
+    # and the reference group's.
+    policy.loans.lend("trainer", "inference", [f"n0-g{20 + i}" for i in range(4)], at=80.0)
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    assert first.recipient == "actor" and first.chosen is not None
+    pooled = devices_of(graph.node("rollout"), range(4)) | devices_of(ref, range(4))
+    assert set(first.chosen.device_ids) == pooled
+
+
 def test_a_pooled_move_survives_a_restart_of_the_policy_and_is_dropped_when_its_gpus_move_away():
     graph, signals = finished_stages()
     policy = policy_with(memory(batch_done=True))

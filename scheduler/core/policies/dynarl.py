@@ -1265,7 +1265,7 @@ class DynaRLPolicy(BasePolicy):
                 valid, problem = _valid_prefixes(donor, recipient, offered)
                 if not valid:
                     candidates.append(
-                        _rejected(donor, recipient, idle, problem or "no whole workers to move")
+                        _rejected(donor, recipient, free_to_go, problem or "no whole workers to move")
                     )
                     continue
                 reach = sum(len(w.devices) for w in valid[-1])
@@ -1308,8 +1308,8 @@ class DynaRLPolicy(BasePolicy):
         """Shrink candidates that pool the idle workers of several donors: a recipient whose valid
         sizes are far apart (a trainer's data-parallel sizes are powers of two) may reach the next
         one only with GPUs from more than one drained group, e.g. a finished rollout's engines
-        and an idle log-prob group. The idle workers of the first ``POOL_MAX_DONORS`` donors are
-        taken in the donors' order, whole bundles at a time; a prefix is a candidate when it
+        and an idle log-prob group. The idle workers of the first ``POOL_MAX_DONORS`` donors with
+        any to offer the recipient are taken in the donors' order, whole bundles at a time; a prefix is a candidate when it
         spans two donors and leaves the recipient at a valid size larger than any single donor
         can give it (``single_reach``): a smaller pooled move would only cost more migrations
         than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
@@ -1328,15 +1328,17 @@ class DynaRLPolicy(BasePolicy):
             unable: set[str] = set()  # donors that cannot give what is taken from them so far
             gpus = 0
             prefixes: list[dict[str, tuple[Worker, ...]]] = []
+            pool = [
+                (donor, free_to_go)
+                for donor, idle in offers
+                if (free_to_go := _offered_to(recipient, idle, pinned))
+            ]
             # Two donors at most: each is a migration of its own, carried out one after the other.
-            for donor, idle in offers[:POOL_MAX_DONORS]:
+            for donor, free_to_go in pool[:POOL_MAX_DONORS]:
                 refused = False
                 offered = bundled.get((donor.id, recipient.id))
                 if offered is None:
-                    offered = bundled.setdefault(
-                        (donor.id, recipient.id),
-                        bundles(recipient, _offered_to(recipient, idle, pinned)),
-                    )
+                    offered = bundled.setdefault((donor.id, recipient.id), bundles(recipient, free_to_go))
                 for bundle in offered:
                     if any(not recipient.accepts_hardware(d.hardware) for w in bundle for d in w.devices):
                         refused = True
