@@ -86,7 +86,8 @@ class DynaRLPolicy(BasePolicy):
     also pool their idle workers: a trainer whose valid data-parallel sizes are powers of two
     may reach the next one only with the GPUs of a finished rollout and an idle log-prob group
     together. A pooled move is weighed as a whole and carried out leg by leg, one migration at a
-    time, each leg as soon as the previous one has landed.
+    time, each leg as soon as the previous one has landed. GPUs a trainer lent while it waited
+    go to no other group; a move to the trainer takes them after the donor's other idle GPUs.
 
     Prediction (``pace.PaceModel``): when the work the rollout is generating will be trained,
     from the rollout's remaining tail (learned from the job's previous rollout batch), the
