@@ -1310,10 +1310,10 @@ class DynaRLPolicy(BasePolicy):
         sizes are far apart (a trainer's data-parallel sizes are powers of two) may reach the next
         one only with GPUs from more than one drained group, e.g. a finished rollout's engines
         and an idle log-prob group. The idle workers of the first ``POOL_MAX_DONORS`` donors with
-        any to offer the recipient are taken in the donors' order, whole bundles at a time; a prefix is a candidate when it
-        spans two donors and leaves the recipient at a valid size larger than any single donor
-        can give it (``single_reach``): a smaller pooled move would only cost more migrations
-        than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
+        any to offer the recipient are taken in the donors' order, whole bundles at a time; a
+        prefix is a candidate when it spans two donors and leaves the recipient at a valid size
+        larger than any single donor can give it (``single_reach``): a smaller pooled move would
+        only cost more migrations than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
         caches each (donor, recipient) pair's bundles; ``pinned`` maps devices a static group
         lent to that group, the only recipient they go to."""
         if len(offers) < 2:
