@@ -752,6 +752,38 @@ def test_drained_groups_pool_their_gpus_when_no_single_one_reaches_a_valid_train
     assert sorted((d.recipient, len(d.device_ids)) for d in back) == [("inference", 4), ("rollout", 4)]
 
 
+def test_a_group_done_with_its_share_lends_again_within_its_cooldown():
+    # A synchronous rollout with its batch done has nothing its signals could still be settling
+    # on: the cooldown that spaces out moves of a group whose load is changing does not hold it
+    # back from feeding a second trainer right after the first.
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 16, first_device=0, min_workers=0),
+        trainer("actor", 8, first_device=40),
+        trainer("critic", 8, first_device=60),
+    )
+    waiting = {"queue_length": 3, "in_flight": 1, "progress": 0.5}
+    signals = {
+        "rollout": make_signals(graph.node("rollout"), idle=16, max_in_flight_per_worker=64, **DONE),
+        "actor": make_signals(graph.node("actor"), **waiting),
+        "critic": make_signals(graph.node("critic"), **waiting),
+    }
+    policy = policy_with(memory(batch_done=True), cooldown_s=10.0)
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    assert first.donor == "rollout" and len(first.device_ids) == 8
+    graph = land(graph, [first])
+    signals["rollout"] = make_signals(graph.node("rollout"), idle=8, max_in_flight_per_worker=64, **DONE)
+    [second] = policy.decide(graph, signals, [], now=92.0)
+    assert second.donor == "rollout" and {first.recipient, second.recipient} == {"actor", "critic"}
+
+    # A rollout still decoding its last requests waits out the cooldown.
+    graph = land(graph, [second])
+    busy = policy_with(memory(), cooldown_s=10.0)
+    tail = drained(job())
+    [lent] = busy.decide(job(), tail, [], now=90.0)
+    after = land(job(), [lent])
+    assert busy.decide(after, drained(after, idle=len(after.node("rollout").workers)), [], now=92.0) == []
+
+
 def test_gpus_a_trainer_lent_go_home_in_a_pooled_move_when_no_return_alone_reaches_a_valid_size():
     graph, signals = finished_stages()
     policy = policy_with(memory(batch_done=True))

@@ -196,3 +196,32 @@ def test_loans_come_back_largest_debt_first_and_in_passes_until_nothing_more_can
     for m in moves:
         graph = apply_move(graph, "actor", m.lender.id, m.devices)
     assert {n.id: len(n.workers) for n in graph.nodes} == {"rollout": 8, "inference": 4, "actor": 4}
+
+
+def test_a_boundary_return_leaves_a_group_holding_only_borrowed_gpus_one_worker():
+    # The log-prob group lent its own GPUs on to the trainer and computes on the rollout's:
+    # at the boundary the trainer gives its GPUs back, but they land only after the log-prob
+    # group's own returns have left; with nothing kept it would have no worker for the next
+    # iteration's log-probs, which are due before its GPUs are back.
+    rollout = make_group("rollout", ROLLOUT, 6, first_device=0, min_workers=0)
+    inference = make_group("inference", INFERENCE, 2, first_device=20, min_workers=0)
+    graph = make_graph(rollout, inference, make_group("actor", ACTOR, 1, first_device=40))
+    book = LoanBook()
+    own = [d for w in inference.workers for d in w.devices]
+    borrowed = [d for w in rollout.workers[:3] for d in w.devices]
+    book.lend("inference", "actor", [d.id for d in own], at=0.0)
+    graph = apply_move(graph, "inference", "actor", own)
+    book.lend("rollout", "inference", [d.id for d in borrowed], at=0.0)
+    graph = apply_move(graph, "rollout", "inference", borrowed)
+    assert set(graph.node("inference").device_ids) == {d.id for d in borrowed}
+
+    everything = book.return_moves(graph)  # ticks' returns: the group may be done with its share
+    assert sum(len(m.devices) for m in everything if m.borrower.id == "inference") == 3
+
+    moves = book.return_moves(graph, keep_a_worker=True)
+    back = {(m.borrower.id, m.lender.id): len(m.devices) for m in moves}
+    assert back == {("inference", "rollout"): 2, ("actor", "inference"): 2}
+    for m in moves:
+        book.settle(m.lender.id, m.borrower.id, [d.id for d in m.devices])
+    # The worker kept stays owed, to go home once the log-prob group can spare it.
+    assert book.borrowed_gpus("inference") == 1

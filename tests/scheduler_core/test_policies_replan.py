@@ -112,6 +112,23 @@ def test_the_ledger_splits_the_rollout_into_body_and_tail_and_integrates_the_pip
     assert closed.tail_share == 0.4
 
 
+def test_the_ledger_times_the_rollout_saturated_while_requests_wait_or_its_engines_run_full() -> None:
+    rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
+    graph = make_graph(rollout, make_group("actor", ACTOR, 2, first_device=10))
+    ledger = IterationLedger(low_fraction_threshold=0.5)
+
+    def at(now: float, **fields: Any) -> None:
+        ledger.observe(graph, {"rollout": make_signals(rollout, in_flight=40, **fields)}, now)
+
+    at(0.0, utilisation_mean=1.0)  # starts the iteration
+    at(1.0, utilisation_mean=0.95)  # every engine (nearly) full
+    at(2.0, utilisation_mean=0.6, queue_length=12)  # retracted requests wait for a slot
+    at(3.0, utilisation_mean=0.6)  # engines part full, nothing waiting: paced by its requests
+    at(4.0, utilisation_mean=0.3)
+    assert ledger.sums["rollout_body_s"] == 4.0
+    assert (ledger.sums["rollout_saturated_s"], ledger.sums["rollout_saturated_gpu_s"]) == (2.0, 8.0)
+
+
 def test_a_ledger_that_saw_too_little_of_an_iteration_records_nothing() -> None:
     ledger = IterationLedger(low_fraction_threshold=0.5)
     tick(ledger, 0.0, idle=0, in_flight=40, actor_utilisation=0.0)
@@ -201,6 +218,30 @@ def test_a_switch_is_made_when_a_few_iterations_of_saving_pay_for_it_and_not_soo
         assert saving > TRIAL_MARGIN_PRIOR * (colocated + saving) and saving < switch
         # Three iterations of saving pay for the switch: it is made; less, it is not.
         assert choice is not None and (choice.placement is Placement.COLOCATED) is switches, choice.detail
+
+
+def test_a_saturated_rollout_is_predicted_to_spread_over_every_gpu_when_colocated() -> None:
+    # Every response near max_new_tokens: the rollout's 300 s on 48 GPUs were bound by how many
+    # sequences its engines hold (full, then retracting), not by one request's decode, so 64
+    # engines would take it on sooner; a rollout paced by its requests keeps its length.
+    model = PlacementModel(COST, n_minibatches=8)
+    long: dict[str, Any] = {
+        "rollout_body_s": 300.0,
+        "rollout_body_gpu_s": 300.0 * 48,
+        "pipeline_gpu_s": 10_000.0,
+    }
+    paced = record(Placement.DISAGGREGATED, 470.0, **long)
+    saturated = replace(paced, rollout_saturated_s=300.0, rollout_saturated_gpu_s=300.0 * 48)
+    switches = model.stage_switches_s(64)
+    assert model.colocated_s(paced) == 300.0 + 10_000.0 / 64 + switches
+    assert model.colocated_s(saturated) == 300.0 * 48 / 64 + 10_000.0 / 64 + switches
+    half = replace(paced, rollout_saturated_s=150.0, rollout_saturated_gpu_s=150.0 * 48)
+    assert model.colocated_s(half) == 150.0 + 150.0 * 48 / 64 + 10_000.0 / 64 + switches
+    for measured, placement in ((paced, Placement.DISAGGREGATED), (saturated, Placement.COLOCATED)):
+        plan = replanner()
+        plan.learn(measured)
+        choice = plan.choose(Placement.DISAGGREGATED, 48, 2, allow_colocated=True)
+        assert choice is not None and choice.placement is placement, choice.detail
 
 
 def test_an_iteration_that_is_mostly_its_boundary_is_not_switched_for_its_short_rollout() -> None:

@@ -209,7 +209,7 @@ class BasePolicy:
         """At an iteration boundary, every loan whose groups may move between iterations goes
         home (those ``worth`` approves, when given; the others stay on loan)."""
         decisions = []
-        for move in self.loans.return_moves(graph):
+        for move in self.loans.return_moves(graph, keep_a_worker=True):
             if not movable_between_iterations(move.borrower) or not movable_between_iterations(move.lender):
                 continue
             if worth is not None and not worth(move):

@@ -966,11 +966,14 @@ class DynaRLPolicy(BasePolicy):
             sig = signals.get(node.id)
             if sig is None or node.id not in self._low_since or node.id in busy:
                 continue
-            if not movable_at_runtime(node) or not self.cooldowns.ready(node.id, now):
+            if not movable_at_runtime(node):
                 continue
-            if self._sustained_s(node.id, sig, now) + 1e-9 < self.param_float(
-                "sustain_s"
-            ) and not self._done_for_the_iteration(graph, signals, node, sig):
+            # A group done with its share of the iteration has nothing its signals could still
+            # be settling on: neither the cooldown nor the trigger's sustain holds it back.
+            done = self._done_for_the_iteration(graph, signals, node, sig)
+            if not done and not self.cooldowns.ready(node.id, now):
+                continue
+            if not done and self._sustained_s(node.id, sig, now) + 1e-9 < self.param_float("sustain_s"):
                 continue
             donors.append(node)
         # Algorithm 1's dynamic donors first, then idle static groups; the most drained first.

@@ -350,10 +350,25 @@ class LoanBook:
         self.loans = kept
 
     def return_moves(
-        self, graph: Hypergraph, *, lender: str | None = None, borrower: str | None = None
+        self,
+        graph: Hypergraph,
+        *,
+        lender: str | None = None,
+        borrower: str | None = None,
+        keep_a_worker: bool = False,
     ) -> list[ReturnMove]:
         """Whole borrower workers worth the loaned GPUs, per (borrower, lender), each move valid
-        on the graph left by the ones before it. The book is not changed (see ``settle``)."""
+        on the graph left by the ones before it. The book is not changed (see ``settle``).
+
+        ``keep_a_worker``: no borrower gives up its last worker, whatever its minimum. At an
+        iteration boundary every group has the next iteration's work ahead; a group that lent
+        all its own GPUs on and holds only borrowed ones keeps one of them, still owed, since
+        its own come back only once their return has landed."""
+        # Workers each borrower may give back: those it holds now, less one to keep. (The graph
+        # below is the one left by the moves before, whose incoming workers are not there yet.)
+        spare: dict[str, int] | None = (
+            {n.id: worker_count(n) - 1 for n in graph.nodes} if keep_a_worker else None
+        )
         moves: list[ReturnMove] = []
         loans = self.outstanding(lender=lender, borrower=borrower)
         pairs = []
@@ -379,8 +394,12 @@ class LoanBook:
         while progressed:
             progressed = False
             for _, _, borrower_id, lender_id, loaned in sorted(pairs, key=lambda p: p[:4]):
-                move = self._return_move(graph, borrower_id, lender_id, loaned)
+                move = self._return_move(
+                    graph, borrower_id, lender_id, loaned, None if spare is None else spare[borrower_id]
+                )
                 if move is not None:
+                    if spare is not None:
+                        spare[borrower_id] -= len(move.workers)
                     moves.append(move)
                     graph = apply_move(graph, borrower_id, lender_id, move.devices)
                     progressed = True
@@ -401,7 +420,11 @@ class LoanBook:
                 if workers and receive_problem(lender_node, devices_of(workers)) is None:
                     together.append(ReturnMove(borrower=borrower_node, lender=lender_node, workers=workers))
                     leaving += len(workers)
-            if len(together) > 1 and release_problem(borrower_node, leaving) is None:
+            if (
+                len(together) > 1
+                and release_problem(borrower_node, leaving) is None
+                and (spare is None or leaving <= spare[borrower_id])
+            ):
                 for move in together:
                     moves.append(move)
                     graph = apply_move(graph, borrower_id, move.lender.id, move.devices)
@@ -409,12 +432,19 @@ class LoanBook:
 
     @staticmethod
     def _return_move(
-        graph: Hypergraph, borrower_id: str, lender_id: str, loaned: set[str]
+        graph: Hypergraph,
+        borrower_id: str,
+        lender_id: str,
+        loaned: set[str],
+        spare_workers: int | None = None,
     ) -> ReturnMove | None:
-        """The largest valid return of ``loaned`` devices the borrower still holds, or None."""
+        """The largest valid return of ``loaned`` devices the borrower still holds, or None; no
+        more than ``spare_workers`` of its workers when given."""
         borrower_node = graph.node(borrower_id)
         lender_node = graph.node(lender_id)
         owed = len(loaned & set(borrower_node.device_ids))
+        if spare_workers is not None:
+            owed = min(owed, max(0, spare_workers) * borrower_node.parallelism.gpus_per_worker)
         if owed == 0:
             return None
         # Workers made of loaned devices go first, then mixed ones; never more GPUs than owed.

@@ -66,6 +66,9 @@ PAYBACK_ITERATIONS = 3
 # Without a measurement of the disaggregated tail: the share of the rollout's GPUs that keep
 # its stragglers once it has drained (the rest are lent to the pipeline).
 TAIL_GPUS_PRIOR = 0.25
+# A rollout whose engines are busy on average at this utilisation or more is saturated: more
+# engines would take on part of its work at once.
+SATURATED_UTILISATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,11 @@ class IterationRecord:
     tokens: float  # what the trainer trained (its tokens/s over the iteration)
     idle_s: float = 0.0  # nothing generating and the pipeline mostly idle (the boundary itself)
     log_prob_gpu_s: float = 0.0  # the log-prob groups' share of ``pipeline_gpu_s`` (ticks' records)
+    # The part of the rollout it spent saturated (requests waiting for a slot, or its engines
+    # busy on average at ``SATURATED_UTILISATION`` or more), and the GPU-seconds it held then:
+    # work bound by how many engines there are, not by how long one request takes.
+    rollout_saturated_s: float = 0.0
+    rollout_saturated_gpu_s: float = 0.0
     # Stages the job's driver timed one after another, each on its own group's GPUs (group kind
     # -> busy GPU-seconds and the GPUs it ran on), the rollout's included; empty for an iteration
     # the ticks measured (stages overlapping, GPUs lent between them).
@@ -219,7 +227,9 @@ class IterationLedger:
         self.ticks += 1
         rollout_gpus = 0
         requests = 0
+        queued = 0
         drained_workers = 0.0
+        busy_workers = 0.0
         rollout_workers = 0
         for node in graph.by_kind(ComponentKind.ROLLOUT):
             sig = signals.get(node.id)
@@ -227,9 +237,12 @@ class IterationLedger:
                 continue
             rollout_gpus += node.gpus
             requests += sig.in_flight + sig.queue_length
+            queued += sig.queue_length
             drained_workers += sig.low_utilisation_fraction * sig.workers
+            busy_workers += sig.utilisation_mean * sig.workers
             rollout_workers += sig.workers
         generating = requests > 0
+        saturated = generating and (queued > 0 or busy_workers >= SATURATED_UTILISATION * rollout_workers > 0)
         self.rollout_gpus_max = max(self.rollout_gpus_max, rollout_gpus)
         self.job_gpus_max = max(self.job_gpus_max, len(gpu_device_ids(graph)))
         if generating:
@@ -241,6 +254,9 @@ class IterationLedger:
             phase = "tail" if drained else "body"
             self.sums[f"rollout_{phase}_s"] += dt
             self.sums[f"rollout_{phase}_gpu_s"] += rollout_gpus * dt
+            if saturated:
+                self.sums["rollout_saturated_s"] += dt
+                self.sums["rollout_saturated_gpu_s"] += rollout_gpus * dt
         pipeline_busy_gpus = 0.0
         pipeline_gpus = 0
         for kind in (ComponentKind.INFERENCE, ComponentKind.ACTOR):
@@ -313,6 +329,8 @@ _SUMS = (
     "tokens",
     "idle_s",
     "log_prob_gpu_s",
+    "rollout_saturated_s",
+    "rollout_saturated_gpu_s",
 )
 
 
@@ -354,12 +372,16 @@ class PlacementModel:
         tail as long as it was (a straggler decodes one token a step on any number of GPUs),
         the pipeline over every GPU (over ``pipeline_gpus`` when the trainer's valid sizes stop
         short of all of them), and two stage switches. No rollout is taken to be shorter than
-        the one measured: its longest episode ran from its start to its end, and more engines
-        do not shorten the parts of it that wait (tool calls, turns) or decode alone. That errs
-        towards the placement the job has, which is the no-harm side."""
+        the one measured, but for the part of it that was saturated, which spreads over every
+        engine too: its longest episode ran from its start to its end, and more engines do not
+        shorten the parts of it that wait (tool calls, turns) or decode alone, only those that
+        waited for a slot or shared a full engine. That errs towards the placement the job has,
+        which is the no-harm side."""
         n = max(1, record.total_gpus)
         spread = n if pipeline_gpus is None else min(n, max(1, pipeline_gpus))
-        rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, record.rollout_s)
+        unsaturated_s = max(0.0, record.rollout_s - record.rollout_saturated_s)
+        floor = unsaturated_s + min(record.rollout_saturated_gpu_s / n, record.rollout_saturated_s)
+        rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, floor)
         return rollout + record.pipeline_gpu_s / spread + self.stage_switches_s(n) + record.idle_s
 
     def disaggregated_s(
