@@ -9,8 +9,8 @@ distributions than the generator's, as a ratio to the best static placement on t
 For each workload, the generator's episodes are drawn once (``--seed``) and their response lengths
 redrawn per family (``scheduler/core/sim/families.py``: lognormal, uniform, pareto, bimodal,
 growing; lognormal and longer-turns for agentic workloads; more for math workloads when named with
-``--family``: constant, shrinking, tail-vanishes, tail-appears, exponential, wide). Every policy
-runs on the same trace;
+``--family``: constant, shrinking, tail-vanishes, tail-appears, exponential, wide, short,
+truncated, rare-outliers). Every policy runs on the same trace;
 a row's ratios divide each policy's tokens/s by the best static placement's, the better of
 static-colocated and static-disaggregated on that trace. The targets are dynarl's: never below the
 best static placement, at least 1.15x it where the lengths have a tail, and within 2% of the best

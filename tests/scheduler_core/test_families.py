@@ -12,6 +12,7 @@ from bench import robustness
 from scheduler.core.sim.families import (
     BIMODAL_LONG_FROM,
     CONSTANT_FRACTION,
+    SHORT_RANGE,
     SWITCH_ITERATION,
     UNIFORM_RANGE,
     LengthFamily,
@@ -47,6 +48,7 @@ def test_a_family_keeps_every_episode_but_its_lengths_and_is_the_same_for_the_sa
     assert all(MATH.math.min_tokens <= t <= MATH.max_new_tokens for t in lengths(reshaped))
     if family is not LengthFamily.LOGNORMAL:
         assert lengths(reshaped) != lengths(math_trace)
+    if family not in (LengthFamily.LOGNORMAL, LengthFamily.TRUNCATED):  # truncated draws nothing
         assert lengths(reshape(math_trace, MATH, family, seed=1)) != lengths(reshaped)
 
 
@@ -104,6 +106,15 @@ def test_the_families_outside_the_table_draw_the_shapes_they_name(math_trace: li
     wide = sorted(lengths(reshape(math_trace, MATH, LengthFamily.WIDE, seed=0)))
     generator = sorted(lengths(math_trace))
     assert wide[len(wide) // 20] < generator[len(generator) // 20]  # a wider spread both ways
+    short = lengths(reshape(math_trace, MATH, LengthFamily.SHORT, seed=0))
+    assert SHORT_RANGE[0] <= min(short) and max(short) <= SHORT_RANGE[1]
+    assert set(lengths(reshape(math_trace, MATH, LengthFamily.TRUNCATED, seed=0))) == {MATH.max_new_tokens}
+    outliers = lengths(reshape(math_trace, MATH, LengthFamily.RARE_OUTLIERS, seed=0))
+    at_max = sum(t == MATH.max_new_tokens for t in outliers)
+    assert 0 < at_max < 0.03 * len(outliers)
+    assert all(UNIFORM_RANGE[0] <= t <= UNIFORM_RANGE[1] for t in outliers if t != MATH.max_new_tokens)
+    assert LengthFamily.RARE_OUTLIERS.has_tail
+    assert not LengthFamily.SHORT.has_tail and not LengthFamily.TRUNCATED.has_tail
 
 
 def test_agentic_later_turns_grow_and_math_families_are_refused_for_agentic() -> None:

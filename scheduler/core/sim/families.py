@@ -22,6 +22,12 @@ the policies were not built on, to check a change against more than the table.
 - ``tail-appears``: uniform lengths for two iterations, then the generator's own.
 - ``exponential``: exponentially distributed, the generator's median.
 - ``wide``: lognormal at twice the generator's per-sample spread, its median.
+- ``short``: every response between 50 and 300 tokens: a rollout of seconds, an iteration that is
+  almost all training.
+- ``truncated``: every response runs to ``max_new_tokens`` (a policy that never stops): no tail,
+  and a rollout bound by how many sequences its engines hold.
+- ``rare-outliers``: uniform lengths with one response in a hundred at ``max_new_tokens``: a few
+  stragglers far behind everything else.
 
 Every family is deterministic per seed, clips to ``[min_tokens, max_new_tokens]`` and keeps each
 record's episode, prompt, iteration, prompt length, tool calls and reward latency.
@@ -49,6 +55,8 @@ CONSTANT_FRACTION = 0.5  # of max_new_tokens
 CONSTANT_SIGMA = 0.05
 SWITCH_ITERATION = 2  # tail-vanishes / tail-appears change shape from this iteration on
 WIDE_SIGMA_FACTOR = 2.0
+SHORT_RANGE = (50, 300)
+RARE_OUTLIER_SHARE = 0.01
 LONGER_TURNS_GROWTH = 1.6  # turn k's response is about this many times turn k-1's
 
 
@@ -65,6 +73,9 @@ class LengthFamily(StrEnum):
     TAIL_APPEARS = "tail-appears"
     EXPONENTIAL = "exponential"
     WIDE = "wide"
+    SHORT = "short"
+    TRUNCATED = "truncated"
+    RARE_OUTLIERS = "rare-outliers"
 
     @property
     def has_tail(self) -> bool:
@@ -75,6 +86,8 @@ class LengthFamily(StrEnum):
             LengthFamily.CONSTANT,
             LengthFamily.TAIL_VANISHES,
             LengthFamily.TAIL_APPEARS,
+            LengthFamily.SHORT,
+            LengthFamily.TRUNCATED,
         )
 
 
@@ -93,6 +106,9 @@ EXTRA_MATH_FAMILIES = (
     LengthFamily.TAIL_APPEARS,
     LengthFamily.EXPONENTIAL,
     LengthFamily.WIDE,
+    LengthFamily.SHORT,
+    LengthFamily.TRUNCATED,
+    LengthFamily.RARE_OUTLIERS,
 )
 
 
@@ -162,6 +178,12 @@ def _draw(
 ) -> float:
     if family in (LengthFamily.UNIFORM, LengthFamily.TAIL_VANISHES, LengthFamily.TAIL_APPEARS):
         return rng.uniform(*UNIFORM_RANGE)
+    if family is LengthFamily.SHORT:
+        return rng.uniform(*SHORT_RANGE)
+    if family is LengthFamily.TRUNCATED:
+        return high
+    if family is LengthFamily.RARE_OUTLIERS:
+        return high if rng.random() < RARE_OUTLIER_SHARE else rng.uniform(*UNIFORM_RANGE)
     if family is LengthFamily.CONSTANT:
         return CONSTANT_FRACTION * high * math.exp(CONSTANT_SIGMA * rng.gauss(0.0, 1.0))
     if family is LengthFamily.SHRINKING:
