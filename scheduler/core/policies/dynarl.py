@@ -142,7 +142,7 @@ class DynaRLPolicy(BasePolicy):
     | `u_low` | 0.2 | utilisation under which a worker counts as idle (configure the signal window with it) |
     | `low_fraction_threshold` | 0.5 | fraction of a group's workers that must be idle to trigger |
     | `sustain_s` | 10.0 | seconds the trigger must hold; the signal window counts towards it |
-    | `cooldown_s` | 10.0 | no new move touching a group for this long after its last one (a signal window) |
+    | `cooldown_s` | 10.0 | no new move touching a group for this long after its last one (a signal window); a group done with its share of a synchronous iteration lends regardless |
     | `min_gain_ratio` | 0.05 | hysteresis: predicted job throughput gain a move must reach |
     | `max_candidates` | 16 | shrink candidates weighed per donor (sizes spread over the range) |
     | `max_recipients` | 3 | groups with queued work weighed as recipients per donor, most pressed first |

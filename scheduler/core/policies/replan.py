@@ -172,7 +172,9 @@ class IterationLedger:
     its body (has requests, most engines busy) or its tail (has requests, more than
     ``low_fraction_threshold`` of its engines under ``u_low``), and the pipeline groups' busy
     GPU-seconds (utilisation times GPUs). A tick with nothing generating and the pipeline busy
-    on less than ``u_low`` of its GPUs is idle time.
+    on less than ``u_low`` of its GPUs is idle time. A generating tick with requests waiting or
+    the engines busy on average at ``SATURATED_UTILISATION`` is also charged to the saturated
+    part of the rollout, the part that more engines would shorten.
 
     While the job is laid out anew (``hold``), nothing is charged: the first tick in the new
     layout measures the switch (``switch_s``) and the iteration's clock starts again there."""
