@@ -244,7 +244,8 @@ class IterationLedger:
             busy_workers += sig.utilisation_mean * sig.workers
             rollout_workers += sig.workers
         generating = requests > 0
-        saturated = generating and (queued > 0 or busy_workers >= SATURATED_UTILISATION * rollout_workers > 0)
+        engines_full = rollout_workers > 0 and busy_workers >= SATURATED_UTILISATION * rollout_workers
+        saturated = generating and (queued > 0 or engines_full)
         self.rollout_gpus_max = max(self.rollout_gpus_max, rollout_gpus)
         self.job_gpus_max = max(self.job_gpus_max, len(gpu_device_ids(graph)))
         if generating:
