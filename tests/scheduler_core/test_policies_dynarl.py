@@ -784,6 +784,23 @@ def test_a_group_done_with_its_share_lends_again_within_its_cooldown():
     assert busy.decide(after, drained(after, idle=len(after.node("rollout").workers)), [], now=92.0) == []
 
 
+def test_a_trainer_that_just_grew_takes_more_from_groups_done_with_their_share_within_its_cooldown():
+    # The trainer grew a moment ago (its cooldown runs) and more of its mini-batches are ready:
+    # the GPUs of groups done with the iteration cannot bounce back to them before it ends, so
+    # the trainer's cooldown does not hold them idle, pooled or not.
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True), cooldown_s=10.0)
+    policy.cooldowns.mark(["actor"], now=88.0)
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    assert first.recipient == "actor" and "pool" in first.detail
+
+    # Lent by a rollout still decoding its tail, they wait for the trainer's cooldown to pass.
+    cooling = policy_with(memory(), cooldown_s=10.0)
+    cooling.cooldowns.mark(["actor"], now=88.0)
+    assert cooling.decide(job(), drained(job()), [], now=90.0) == []
+    assert policy_with(memory(), cooldown_s=10.0).decide(job(), drained(job()), [], now=90.0) != []
+
+
 def test_gpus_a_trainer_lent_go_home_in_a_pooled_move_when_no_return_alone_reaches_a_valid_size():
     graph, signals = finished_stages()
     policy = policy_with(memory(batch_done=True))

@@ -129,6 +129,54 @@ def test_the_ledger_times_the_rollout_saturated_while_requests_wait_or_its_engin
     assert (ledger.sums["rollout_saturated_s"], ledger.sums["rollout_saturated_gpu_s"]) == (2.0, 8.0)
 
 
+def test_a_rollout_that_generates_its_batch_between_two_ticks_is_charged_the_interval_once() -> None:
+    rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
+    actor = make_group("actor", ACTOR, 2, first_device=10)
+
+    def at(ledger: IterationLedger, now: float, *, progress: float, in_flight: int = 0) -> None:
+        signals = {
+            "rollout": make_signals(
+                rollout, idle=0 if in_flight else 4, in_flight=in_flight, progress=progress
+            ),
+            "actor": make_signals(actor, utilisation_mean=1.0),
+        }
+        iteration = ledger.iteration if ledger.iteration is not None else 0
+        ledger.observe(make_graph(rollout, actor, iteration=iteration), signals, now)
+
+    # Short answers on many engines: the first tick already finds the batch generated.
+    ledger = IterationLedger(low_fraction_threshold=0.5)
+    at(ledger, 0.0, progress=1.0)  # the iteration's first tick
+    for now in (1.0, 2.0, 3.0):
+        at(ledger, now, progress=1.0)
+    closed = ledger.close(3.0, total_gpus=6, placement=Placement.DISAGGREGATED)
+    assert closed is not None, "an iteration whose rollout no tick saw generating is still measured"
+    assert (closed.rollout_body_s, closed.rollout_body_gpu_s, closed.rollout_tail_s) == (1.0, 4.0, 0.0)
+    assert closed.idle_s == 0.0 and closed.pipeline_overlap_gpu_s == 2.0
+
+    # Waiting for its GPUs at first (nothing generating, not done), then done between two ticks.
+    ledger.start(1, 10.0)
+    at(ledger, 11.0, progress=0.0)
+    at(ledger, 12.0, progress=0.0)
+    at(ledger, 13.0, progress=1.0)
+    at(ledger, 14.0, progress=1.0)
+    assert ledger.sums["rollout_body_s"] == 1.0
+
+    # Seen generating: charged as it is seen, never again once it is done.
+    ledger.start(2, 20.0)
+    at(ledger, 21.0, progress=0.5, in_flight=40)
+    at(ledger, 22.0, progress=0.9, in_flight=4)
+    at(ledger, 23.0, progress=1.0)
+    at(ledger, 24.0, progress=1.0)
+    assert ledger.sums["rollout_body_s"] + ledger.sums["rollout_tail_s"] == 2.0
+
+    # What the ledger owes survives the policy's state being saved and loaded between ticks.
+    ledger.start(3, 30.0)
+    reloaded = IterationLedger(low_fraction_threshold=0.5)
+    reloaded.load(ledger.to_json())
+    at(reloaded, 31.0, progress=1.0)
+    assert reloaded.sums["rollout_body_s"] == 1.0
+
+
 def test_a_ledger_that_saw_too_little_of_an_iteration_records_nothing() -> None:
     ledger = IterationLedger(low_fraction_threshold=0.5)
     tick(ledger, 0.0, idle=0, in_flight=40, actor_utilisation=0.0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -264,7 +264,7 @@ class DynaRLPolicy(BasePolicy):
         self.memory = PaceMemory()
         self._rebalance_since: dict[str, float] = {}
         # Groups with queued work, ranked; computed once per tick (and per set of busy groups).
-        self._recipient_cache: tuple[frozenset[str], list[HyperNode]] | None = None
+        self._recipient_cache: dict[tuple[frozenset[str], bool], list[HyperNode]] = {}
         self.last_candidates: tuple[Candidate, ...] = ()
         self._plan: list[PendingMove] = []  # legs of a pooled move still to issue, in order
 
@@ -343,7 +343,7 @@ class DynaRLPolicy(BasePolicy):
         self._track_triggers(graph, signals, now)
         busy = self.pending.busy_groups()
         model = self._model(graph, signals, now)
-        self._recipient_cache = None
+        self._recipient_cache = {}
         base = model.finish_s()
         self.outcomes.settle(
             now,
@@ -1005,11 +1005,13 @@ class DynaRLPolicy(BasePolicy):
         busy: set[str],
         now: float,
         exclude: str | None = None,
+        past_cooldown: bool = False,
     ) -> list[HyperNode]:
         """Groups with work waiting for more GPUs (``_has_work_waiting``: the bottlenecks), the
         most pressed first: the most remaining work per GPU, as the pace model counts it (queued
-        requests per engine for a rollout); at most ``max_recipients``, ``exclude`` left out."""
-        ranked = self._ranked_recipients(graph, signals, model, busy, now)
+        requests per engine for a rollout); at most ``max_recipients``, ``exclude`` left out.
+        ``past_cooldown``: a group's cooldown does not hold it back (``_ranked_recipients``)."""
+        ranked = self._ranked_recipients(graph, signals, model, busy, now, past_cooldown)
         return [n for n in ranked if n.id != exclude][: self.param_int("max_recipients")]
 
     def _ranked_recipients(
@@ -1019,10 +1021,15 @@ class DynaRLPolicy(BasePolicy):
         model: PaceModel,
         busy: set[str],
         now: float,
+        past_cooldown: bool = False,
     ) -> list[HyperNode]:
-        key = frozenset(busy)
-        if self._recipient_cache is not None and self._recipient_cache[0] == key:
-            return self._recipient_cache[1]
+        """``_recipients`` before the cut. ``past_cooldown`` is for GPUs of a donor done with its
+        share of a synchronous iteration: they cannot bounce back to it before the iteration
+        ends, and the recipient's own cooldown (its signals settling after its last resize) does
+        not hold them idle; the gain still has to beat the resize's cost."""
+        key = (frozenset(busy), past_cooldown)
+        if (cached := self._recipient_cache.get(key)) is not None:
+            return cached
         eligible = []
         for node in graph.nodes:
             if node.id in busy or model.gpus.get(node.id, 0) <= 0:
@@ -1030,7 +1037,7 @@ class DynaRLPolicy(BasePolicy):
             sig = signals.get(node.id)
             if sig is None or not _has_work_waiting(node, sig, self.u_low):
                 continue
-            if not movable_at_runtime(node) or not self.cooldowns.ready(node.id, now):
+            if not movable_at_runtime(node) or not (past_cooldown or self.cooldowns.ready(node.id, now)):
                 continue
             eligible.append(node)
 
@@ -1043,7 +1050,7 @@ class DynaRLPolicy(BasePolicy):
             return signals[node.id].queue_length / max(1, len(node.workers))
 
         eligible.sort(key=lambda n: (-pressure(n), n.id))
-        self._recipient_cache = (key, eligible)
+        self._recipient_cache[key] = eligible
         return eligible
 
     # -- the pace model -------------------------------------------------------------------------
@@ -1246,8 +1253,11 @@ class DynaRLPolicy(BasePolicy):
         offers: list[tuple[HyperNode, list[Worker]]] = []
         single_reach: dict[str, int] = {}  # recipient -> most GPUs one donor can give it validly
         bundled: dict[tuple[str, str], list[tuple[Worker, ...]]] = {}  # (donor, recipient) -> bundles
+        done: set[str] = set()  # donors done with their share of a synchronous iteration
         for donor in self._donors(graph, signals, busy, now):
             sig = signals[donor.id]
+            if self._done_for_the_iteration(graph, signals, donor, sig):
+                done.add(donor.id)
             by_id: dict[str, Worker] = {w.id: w for w in donor.workers}
             # A group with nothing at all to do offers every worker, not only those the window saw idle.
             offered_ids = (
@@ -1257,7 +1267,15 @@ class DynaRLPolicy(BasePolicy):
             if not idle:
                 continue
             offers.append((donor, idle))
-            recipients = self._recipients(graph, signals, model, busy, now, exclude=donor.id)
+            recipients = self._recipients(
+                graph,
+                signals,
+                model,
+                busy,
+                now,
+                exclude=donor.id,
+                past_cooldown=donor.id in done,
+            )
             if not recipients:
                 continue
             per_recipient = max(1, self.param_int("max_candidates") // len(recipients))
@@ -1281,7 +1299,7 @@ class DynaRLPolicy(BasePolicy):
         pooled: dict[tuple[str, ...], list[_Move]] = {}
         candidates.extend(
             self._pooled_candidates(
-                offers, graph, signals, model, base, busy, now, pooled, single_reach, bundled, pinned
+                offers, graph, signals, model, base, busy, now, pooled, single_reach, bundled, pinned, done
             )
         )
         decision, marked = self._choose(
@@ -1308,6 +1326,7 @@ class DynaRLPolicy(BasePolicy):
         single_reach: Mapping[str, int],
         bundled: dict[tuple[str, str], list[tuple[Worker, ...]]],
         pinned: Mapping[str, str],
+        done: Collection[str] = (),
     ) -> list[Candidate]:
         """Shrink candidates that pool the idle workers of several donors: a recipient whose valid
         sizes are far apart (a trainer's data-parallel sizes are powers of two) may reach the next
@@ -1318,13 +1337,18 @@ class DynaRLPolicy(BasePolicy):
         larger than any single donor can give it (``single_reach``): a smaller pooled move would
         only cost more migrations than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
         caches each (donor, recipient) pair's bundles; ``pinned`` maps devices a static group
-        lent to that group, the only recipient they go to."""
+        lent to that group, the only recipient they go to. ``done``: the donors done with their
+        share of a synchronous iteration; where every donor offering is, the recipients'
+        cooldowns do not hold the pool back, as they do not each donor alone (``_ranked_recipients``)."""
         if len(offers) < 2:
             return []
         donors = {donor.id: donor for donor, _ in offers}
         candidates: list[Candidate] = []
+        pooled_done = all(donor.id in done for donor, _ in offers)
         recipients = [
-            n for n in self._ranked_recipients(graph, signals, model, busy, now) if n.id not in donors
+            n
+            for n in self._ranked_recipients(graph, signals, model, busy, now, past_cooldown=pooled_done)
+            if n.id not in donors
         ][: self.param_int("max_recipients")]
         for recipient in recipients:
             per_worker = recipient.parallelism.gpus_per_worker

@@ -176,6 +176,10 @@ class IterationLedger:
     the engines busy on average at ``SATURATED_UTILISATION`` is also charged to the saturated
     part of the rollout, the part that more engines would shorten.
 
+    A rollout that generates its whole batch between two ticks (or before the iteration's first
+    one) is never seen generating: the first interval that finds it at the end of its batch is
+    charged to its body, as the most it took.
+
     While the job is laid out anew (``hold``), nothing is charged: the first tick in the new
     layout measures the switch (``switch_s``) and the iteration's clock starts again there."""
 
@@ -194,6 +198,8 @@ class IterationLedger:
         self.sums: dict[str, float] = dict.fromkeys(_SUMS, 0.0)
         self.rollout_gpus_max = 0  # the most GPUs the rollout held this iteration
         self.job_gpus_max = 0  # the most GPUs the job's GPU groups held together
+        # No tick of this iteration has seen the rollout generate its batch yet.
+        self.rollout_owed = True
 
     def start(self, iteration: int, now: float) -> None:
         self.iteration = iteration
@@ -233,10 +239,12 @@ class IterationLedger:
         drained_workers = 0.0
         busy_workers = 0.0
         rollout_workers = 0
+        progress: list[float] = []
         for node in graph.by_kind(ComponentKind.ROLLOUT):
             sig = signals.get(node.id)
             if sig is None:
                 continue
+            progress.append(sig.progress)
             rollout_gpus += node.gpus
             requests += sig.in_flight + sig.queue_length
             queued += sig.queue_length
@@ -244,6 +252,12 @@ class IterationLedger:
             busy_workers += sig.utilisation_mean * sig.workers
             rollout_workers += sig.workers
         generating = requests > 0
+        rollout_done = bool(progress) and min(progress) >= 1.0
+        # At the end of its batch without a tick having seen it generate: it ran inside this
+        # interval, or the one before the iteration's first tick (about as long).
+        ran_unseen = self.rollout_owed and not generating and rollout_done
+        if generating or ran_unseen:
+            self.rollout_owed = False
         engines_full = rollout_workers > 0 and busy_workers >= SATURATED_UTILISATION * rollout_workers
         saturated = generating and (queued > 0 or engines_full)
         self.rollout_gpus_max = max(self.rollout_gpus_max, rollout_gpus)
@@ -260,6 +274,10 @@ class IterationLedger:
             if saturated:
                 self.sums["rollout_saturated_s"] += dt
                 self.sums["rollout_saturated_gpu_s"] += rollout_gpus * dt
+        elif ran_unseen:
+            self.sums["rollout_body_s"] += dt
+            self.sums["rollout_body_gpu_s"] += rollout_gpus * dt
+        rolled = generating or ran_unseen
         pipeline_busy_gpus = 0.0
         pipeline_gpus = 0
         for kind in (ComponentKind.INFERENCE, ComponentKind.ACTOR):
@@ -275,9 +293,9 @@ class IterationLedger:
                 self.sums["pipeline_gpu_s"] += busy
                 if kind is ComponentKind.INFERENCE:
                     self.sums["log_prob_gpu_s"] += busy
-                if generating:
+                if rolled:
                     self.sums["pipeline_overlap_gpu_s"] += busy
-        if not generating and pipeline_busy_gpus <= self.u_low * pipeline_gpus:
+        if not rolled and pipeline_busy_gpus <= self.u_low * pipeline_gpus:
             self.sums["idle_s"] += dt
 
     def close(self, now: float, total_gpus: int, placement: Placement) -> IterationRecord | None:
@@ -303,6 +321,7 @@ class IterationLedger:
             "sums": dict(self.sums),
             "rollout_gpus_max": self.rollout_gpus_max,
             "job_gpus_max": self.job_gpus_max,
+            "rollout_owed": self.rollout_owed,
             "held": self.held,
             "switch_s": self.switch_s,
         }
@@ -316,6 +335,7 @@ class IterationLedger:
         self.ticks = int(data.get("ticks", 0))
         self.rollout_gpus_max = int(data.get("rollout_gpus_max", 0))
         self.job_gpus_max = int(data.get("job_gpus_max", 0))
+        self.rollout_owed = bool(data.get("rollout_owed", False))
         self.held = bool(data.get("held", False))
         switch = data.get("switch_s")
         self.switch_s = None if switch is None else float(switch)
