@@ -133,10 +133,14 @@ def run_tick(job_id: int) -> Tick | None:
                 _record_dropped(job, dropped)
             if driver.iteration_ended and policy.replan_note:
                 _record_replan(job, policy.replan_note)
-            if decision is not None and _start(job, tick, decision, graph, signals):
-                decisions += 1
-                outcome = "decided"
-            elif outcome == "no_change":
+            if decision is not None:
+                refused = _start(job, tick, decision, graph, signals)
+                if refused is None:
+                    decisions += 1
+                    outcome = "decided"
+                else:
+                    policy.decision_refused(decision, refused)
+            if outcome == "no_change":
                 tick.note = policy.idle_note[:TICK_NOTE_CHARS]
             job.policy_state["policy"] = policy.state_to_json()
             job.policy_state["queued"] = driver.queued_to_json()
@@ -207,7 +211,9 @@ def _predictor(
 
 def _start(
     job: Job, tick: Tick, decision: Decision, graph: Hypergraph, signals: Mapping[str, GroupSignals]
-) -> bool:
+) -> str | None:
+    """Record ``decision`` and plan its migration; None when planned, else why the planner
+    refused it (the decision row says so too)."""
     decision_row = SchedulingDecision.objects.create(
         job=job,
         tick=tick,
@@ -242,8 +248,8 @@ def _start(
         decision_row.detail = f"{decision_row.detail} [not carried out: {exc}]"
         decision_row.save(update_fields=["detail"])
         log.warning("job %s: decision %s not planned: %s", job.pk, decision_row.pk, exc)
-        return False
-    return True
+        return str(exc)
+    return None
 
 
 def _record_dropped(job: Job, dropped: DroppedDecision) -> None:

@@ -14,7 +14,7 @@ from cluster.models import Node
 from common import redis as common_redis
 from jobs.models import Job, JobState, Worker
 from scheduler import telemetry
-from scheduler.core.decisions import Reason
+from scheduler.core.decisions import Decision, Reason
 from scheduler.models import HypergraphSnapshot, Migration, MigrationState, SchedulingDecision, Tick
 from scheduler.services import tick
 from tests.factories import make_cluster, make_user, mark_running, ray_spec, spec, submit
@@ -143,6 +143,42 @@ def test_loans_go_home_when_the_iteration_ends_even_if_a_migration_held_the_boun
     assert "iteration 1 ended" in back.detail
     job.refresh_from_db()
     assert job.policy_state["queued"] == []
+
+
+@pytest.mark.django_db
+@override_settings(SIGNAL_WINDOW_S=10.0)
+def test_a_return_the_planner_refuses_is_said_and_owed_again_in_the_policys_state() -> None:
+    job = idle_rollout_busy_trainer_job()
+    actor_gpus = sorted(
+        Worker.objects.filter(group__job=job, group__name="actor").values_list("devices__uid", flat=True)
+    )
+    # A queued return of every GPU the trainer holds: it still fits the job (the trainer holds
+    # them), but the planner does not leave a group without a worker.
+    back = Decision(
+        policy="dynarl",
+        reason=Reason.RETURN_BORROWED,
+        detail="iteration 0 ended: actor returns 2 borrowed GPUs to rollout",
+        donor="actor",
+        recipient="rollout",
+        device_ids=tuple(actor_gpus),
+        donor_strategy=None,
+        recipient_strategy=None,
+        at=time.time(),
+    )
+    job.policy_state = {"queued": [back.to_json()]}
+    job.save(update_fields=["policy_state"])
+    result = tick.run_tick(job.pk)
+    assert result is not None and result.outcome == "no_change", result and result.outcome
+    refused = SchedulingDecision.objects.get(job=job)
+    assert "[not carried out: donor actor cannot run with 0 workers" in refused.detail, refused.detail
+    assert not Migration.objects.filter(job=job).exists()
+    # The policy was told: the return is not awaited, and the trainer owes the GPUs again.
+    job.refresh_from_db()
+    state = job.policy_state["policy"]
+    assert all(m["device_ids"] != actor_gpus for m in state["pending"])
+    assert [(loan["lender"], loan["borrower"], sorted(loan["device_ids"])) for loan in state["loans"]] == [
+        ("rollout", "actor", actor_gpus)
+    ]
 
 
 @pytest.mark.django_db

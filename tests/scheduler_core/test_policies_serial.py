@@ -171,3 +171,55 @@ def test_the_live_driver_hands_a_placement_change_over_before_any_move_and_a_ref
     # The next call is an ordinary one: no change is handed over twice.
     driver.next_decision(replace(graph, iteration=1), signals, [], now=201.0)
     assert driver.placement_change is None
+
+
+def loan_book(policy: DynaRLPolicy) -> list[tuple[str, str, frozenset[str]]]:
+    return sorted((loan.lender, loan.borrower, frozenset(loan.device_ids)) for loan in policy.loans.loans)
+
+
+def test_a_return_the_planner_refuses_is_owed_again_and_holds_no_group_back():
+    ticks, graph, signals = pooled_loans()
+    boundary = replace(graph, iteration=1)
+    first, _ = ticks.tick(boundary, signals, now=130.0)
+    assert first is not None and first.reason is Reason.RETURN_BORROWED
+    [queued] = SerialDriver.queued_from_json(ticks.state["queued"])
+    # The control plane's planner refuses it (the tick tells the policy, as here): nothing moved.
+    policy = policy_with(json.loads(json.dumps(ticks.state["policy"])))
+    assert first.recipient not in {loan.lender for loan in policy.loans.loans}
+    policy.decision_refused(first, "donor actor cannot run with 7 workers")
+    # No longer awaited (the queued return still is).
+    assert [m.device_ids for m in policy.pending.moves] == [tuple(queued.device_ids)]
+    owed = policy.loans.outstanding(lender=first.recipient, borrower="actor")
+    assert {d for loan in owed for d in loan.device_ids} == set(first.device_ids)
+
+
+def test_a_queued_decision_dropped_by_the_driver_is_refused_to_the_policy():
+    ticks, graph, signals = pooled_loans()
+    boundary = replace(graph, iteration=1)
+    first, _ = ticks.tick(boundary, signals, now=130.0)
+    assert first is not None
+    [queued] = SerialDriver.queued_from_json(ticks.state["queued"])
+    graph = land(boundary, [first, replace(queued, recipient=None)])
+    ticks.tick(graph, signals, now=134.0)
+    # The dropped return is no longer awaited; its loan is owed again, until the loan book's
+    # reconciliation sees the GPUs gone from the borrower.
+    pending = [m.device_ids for m in policy_with(ticks.state["policy"]).pending.moves]
+    assert tuple(queued.device_ids) not in pending
+
+
+def test_a_refused_move_leaves_the_loans_as_they_were_and_drops_the_rest_of_its_pool():
+    graph, signals = finished_stages()
+    policy = policy_with(memory(batch_done=True))
+    # The trainer lent 2 of its GPUs to the log-prob group, and borrows 8 of the rollout's.
+    policy.loans.lend("actor", "inference", ["n0-g20", "n0-g21"], at=70.0)
+    policy.loans.lend("rollout", "actor", [f"n0-g{40 + i}" for i in range(8)], at=80.0)
+    before = loan_book(policy)
+    [first] = policy.decide(graph, signals, [], now=90.0)
+    assert "pool" in first.detail and loan_book(policy) != before
+    assert any(o.recipient == "actor" for o in policy.outcomes.open)
+    policy.decision_refused(first, "devices are not free")
+    assert loan_book(policy) == before
+    assert policy.pending.moves == [] and not any(o.recipient == "actor" for o in policy.outcomes.open)
+    # Nothing is awaited and no leg of the refused pool follows: the next tick weighs anew.
+    [again] = policy.decide(graph, signals, [], now=91.0)
+    assert "pooled move, next leg" not in again.detail and again.recipient == "actor"

@@ -44,6 +44,7 @@ class ScriptedPolicy:
         self.ended = 0
         self.switch_after: dict[int, Placement] = {}  # iteration -> placement from the next one
         self.refused: list[str] = []
+        self.decisions_refused: list[tuple[Decision, str]] = []
         self.graphs: list[Hypergraph] = []
         self.signals: list[Mapping[str, GroupSignals]] = []
 
@@ -70,6 +71,9 @@ class ScriptedPolicy:
 
     def placement_refused(self, change: Any, why: str) -> None:
         self.refused.append(why)
+
+    def decision_refused(self, decision: Decision, why: str) -> None:
+        self.decisions_refused.append((decision, why))
 
 
 @dataclass(frozen=True)
@@ -254,9 +258,12 @@ def test_invalid_decisions_are_rejected_with_the_reason(
     script: Callable[[Hypergraph, Sequence[Device]], list[Decision]], problem: str
 ) -> None:
     workload = get_workload("math-tiny")
-    _, result = scripted_run(workload, ScriptedPolicy(2.0, script))
+    policy = ScriptedPolicy(2.0, script)
+    _, result = scripted_run(workload, policy)
     assert result.migrations == 0
     assert any(problem in p for p in result.rejected_by_problem), result.rejected_by_problem
+    # The policy is told, so it stops awaiting the move and puts its loan book back.
+    assert [why for _, why in policy.decisions_refused] == list(result.rejected_by_problem)
     assert result.tokens == expected_tokens(workload)[0]
 
 

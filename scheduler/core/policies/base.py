@@ -94,6 +94,11 @@ class SchedulingPolicy(Protocol):
         """The caller could not carry out ``change``; the job keeps its placement."""
         ...
 
+    def decision_refused(self, decision: Decision, why: str) -> None:
+        """The caller did not carry out ``decision`` (its planner refused it, or it no longer fit
+        the job when its turn came): nothing moved."""
+        ...
+
     @property
     def replan_note(self) -> str:
         """What the last iteration boundary's re-planning measured and concluded ("" if none)."""
@@ -178,6 +183,13 @@ class BasePolicy:
 
     def placement_refused(self, change: PlacementChange, why: str) -> None:
         return None
+
+    def decision_refused(self, decision: Decision, why: str) -> None:
+        """It is no longer awaited (its groups may move again at once, not after the pending
+        timeout), and a return's GPUs are owed again: the borrower still holds them."""
+        self.pending.discard(decision)
+        if decision.reason is Reason.RETURN_BORROWED and decision.donor and decision.recipient:
+            self.loans.lend(decision.recipient, decision.donor, decision.device_ids, decision.at)
 
     @property
     def replan_note(self) -> str:

@@ -399,6 +399,20 @@ class DynaRLPolicy(BasePolicy):
     def idle_note(self) -> str:
         return self._idle_note
 
+    def decision_refused(self, decision: Decision, why: str) -> None:
+        """Besides the base's bookkeeping: a move's loans go back to how they were before it
+        (``LoanBook.pass_on`` the other way: its own GPUs are no longer lent, borrowed ones are
+        owed by the donor again, GPUs it was taking home are owed to their group again), its
+        predicted gain is not held against anything, and the rest of a pooled move is dropped
+        (alone they would leave the recipient at a size it cannot run)."""
+        super().decision_refused(decision, why)
+        if decision.recipient is not None:
+            self.outcomes.cancel(decision.recipient, decision.at)
+        lent = decision.reason not in (Reason.RETURN_BORROWED, Reason.REPLAN_BASE_SPLIT)
+        if lent and decision.donor is not None and decision.recipient is not None:
+            self.loans.pass_on(decision.recipient, decision.donor, decision.device_ids, decision.at)
+        self._plan = []
+
     def _why_no_move(
         self, considered: Sequence[Candidate], signals: Mapping[str, GroupSignals], now: float
     ) -> str:
@@ -1188,6 +1202,7 @@ class DynaRLPolicy(BasePolicy):
                 measured_before=recipient_sig.tokens_per_s,
                 predicted_rise=prediction.recipient_after - prediction.recipient_before,
                 measure_after=now + chosen.migration_cost_s + window,
+                opened_at=now,
             )
         )
 

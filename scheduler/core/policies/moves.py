@@ -543,6 +543,15 @@ class PendingMoves:
     def add(self, decision: Decision) -> None:
         self.moves.append(PendingMove(decision.donor, decision.recipient, decision.device_ids, decision.at))
 
+    def discard(self, decision: Decision) -> None:
+        """``decision`` will not be carried out: it is no longer awaited."""
+        devices = tuple(decision.device_ids)
+        self.moves = [
+            m
+            for m in self.moves
+            if (m.donor, m.recipient, m.device_ids) != (decision.donor, decision.recipient, devices)
+        ]
+
     def refresh(self, graph: Hypergraph, now: float, free_device_ids: Iterable[str] = ()) -> None:
         held: dict[str, str] = {d: n.id for n in graph.nodes for d in n.device_ids}
         free = set(free_device_ids)

@@ -47,6 +47,7 @@ class OpenOutcome:
     measured_before: float  # the recipient's tokens/s when the move was decided
     predicted_rise: float  # tokens/s the move was predicted to add to the recipient
     measure_after: float  # when the move has landed and a signal window has seen it
+    opened_at: float = 0.0  # when the move was decided
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +86,11 @@ class MoveOutcomes:
                 continue
             self.record(outcome.kind, (rate - outcome.measured_before) / outcome.predicted_rise, iteration)
         self.open = still
+
+    def cancel(self, recipient: str, opened_at: float) -> None:
+        """The move to ``recipient`` decided at ``opened_at`` was never carried out: it leaves no
+        outcome (what its recipient goes on to measure says nothing about it)."""
+        self.open = [o for o in self.open if not (o.recipient == recipient and o.opened_at == opened_at)]
 
     def drop_open(self) -> None:
         """The iteration ended: moves not measured yet leave no outcome (their recipients' work
@@ -134,6 +140,7 @@ class MoveOutcomes:
                 float(o["measured_before"]),
                 float(o["predicted_rise"]),
                 float(o["measure_after"]),
+                float(o.get("opened_at", 0.0)),
             )
             for o in data.get("open", [])
         ]

@@ -8,6 +8,9 @@ rest in a queue that the caller persists between ticks, hands them out one per c
 ``on_iteration_end`` when the job's iteration has moved on since the policy last looked — even
 if a migration was in flight at the boundary.
 
+A queued decision that no longer fits the job when its turn comes is dropped, and the policy
+told (``decision_refused``), as the caller tells it of a decision its planner refuses.
+
 A placement change the policy re-planned at the boundary (colocated or disaggregated) is handed
 to the caller (``placement_change``) before any move: the caller places the job anew, or refuses
 and tells the policy why. A caller that cannot place a job anew says so at construction
@@ -76,6 +79,7 @@ class SerialDriver:
             if why is None:
                 return decision
             self.dropped.append(DroppedDecision(decision, why))
+            self.policy.decision_refused(decision, why)
         proposed = self.policy.decide(graph, signals, free_devices, now)
         if not proposed:
             return None

@@ -133,6 +133,8 @@ class SimPolicy(Protocol):
 
     def placement_refused(self, change: PlacementChange, why: str) -> None: ...
 
+    def decision_refused(self, decision: Decision, why: str) -> None: ...
+
 
 class SimulationStalled(RuntimeError):
     """Nothing progressed for ``stall_s`` of virtual time (e.g. a group left without workers)."""
@@ -1067,6 +1069,7 @@ class Simulation:
         problem = self._decision_problem(decision)
         if problem is not None:
             self.rejected.append((now, decision.reason.value, problem))
+            self.policy.decision_refused(decision, problem)
             return
         self._ids += 1
         move = Move(
