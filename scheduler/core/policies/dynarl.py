@@ -1353,8 +1353,9 @@ class DynaRLPolicy(BasePolicy):
         only cost more migrations than a single donor's. ``legs_of`` maps a candidate's devices to its legs; ``bundled``
         caches each (donor, recipient) pair's bundles; ``pinned`` maps devices a static group
         lent to that group, the only recipient they go to. ``done``: the donors done with their
-        share of a synchronous iteration; where every donor offering is, the recipients'
-        cooldowns do not hold the pool back, as they do not each donor alone (``_ranked_recipients``)."""
+        share of a synchronous iteration; when every donor offering is one of them, the
+        recipients' cooldowns do not hold the pool back (as for each of them alone,
+        ``_ranked_recipients``)."""
         if len(offers) < 2:
             return []
         donors = {donor.id: donor for donor, _ in offers}
