@@ -74,6 +74,9 @@ def test_a_queued_return_whose_gpus_moved_meanwhile_is_dropped_with_the_reason()
     assert dropped.decision.device_ids == queued.device_ids
     assert "no longer with actor" in dropped.why
     assert decision is None or set(decision.device_ids).isdisjoint(queued.device_ids)
+    # The policy was told (``decision_refused``): the dropped return is no longer awaited.
+    pending = [m.device_ids for m in policy_with(ticks.state["policy"]).pending.moves]
+    assert tuple(queued.device_ids) not in pending
 
 
 def test_several_decisions_from_one_decide_are_started_in_turn_not_lost():
@@ -191,20 +194,6 @@ def test_a_return_the_planner_refuses_is_owed_again_and_holds_no_group_back():
     assert [m.device_ids for m in policy.pending.moves] == [tuple(queued.device_ids)]
     owed = policy.loans.outstanding(lender=first.recipient, borrower="actor")
     assert {d for loan in owed for d in loan.device_ids} == set(first.device_ids)
-
-
-def test_a_queued_decision_dropped_by_the_driver_is_refused_to_the_policy():
-    ticks, graph, signals = pooled_loans()
-    boundary = replace(graph, iteration=1)
-    first, _ = ticks.tick(boundary, signals, now=130.0)
-    assert first is not None
-    [queued] = SerialDriver.queued_from_json(ticks.state["queued"])
-    graph = land(boundary, [first, replace(queued, recipient=None)])
-    ticks.tick(graph, signals, now=134.0)
-    # The dropped return is no longer awaited; its loan is owed again, until the loan book's
-    # reconciliation sees the GPUs gone from the borrower.
-    pending = [m.device_ids for m in policy_with(ticks.state["policy"]).pending.moves]
-    assert tuple(queued.device_ids) not in pending
 
 
 def test_a_refused_move_leaves_the_loans_as_they_were_and_drops_the_rest_of_its_pool():
