@@ -198,8 +198,6 @@ class IterationLedger:
         self.sums: dict[str, float] = dict.fromkeys(_SUMS, 0.0)
         self.rollout_gpus_max = 0  # the most GPUs the rollout held this iteration
         self.job_gpus_max = 0  # the most GPUs the job's GPU groups held together
-        # No tick of this iteration has seen the rollout generate its batch yet.
-        self.rollout_owed = True
 
     def start(self, iteration: int, now: float) -> None:
         self.iteration = iteration
@@ -253,11 +251,10 @@ class IterationLedger:
             rollout_workers += sig.workers
         generating = requests > 0
         rollout_done = bool(progress) and min(progress) >= 1.0
-        # At the end of its batch without a tick having seen it generate: it ran inside this
-        # interval, or the one before the iteration's first tick (about as long).
-        ran_unseen = self.rollout_owed and not generating and rollout_done
-        if generating or ran_unseen:
-            self.rollout_owed = False
+        # At the end of its batch with nothing charged to it yet (no tick saw it generate): it
+        # ran inside this interval, or the one before the iteration's first tick (about as long).
+        charged = self.sums["rollout_body_s"] + self.sums["rollout_tail_s"] > 0
+        ran_unseen = not charged and not generating and rollout_done
         engines_full = rollout_workers > 0 and busy_workers >= SATURATED_UTILISATION * rollout_workers
         saturated = generating and (queued > 0 or engines_full)
         self.rollout_gpus_max = max(self.rollout_gpus_max, rollout_gpus)
@@ -321,7 +318,6 @@ class IterationLedger:
             "sums": dict(self.sums),
             "rollout_gpus_max": self.rollout_gpus_max,
             "job_gpus_max": self.job_gpus_max,
-            "rollout_owed": self.rollout_owed,
             "held": self.held,
             "switch_s": self.switch_s,
         }
@@ -335,7 +331,6 @@ class IterationLedger:
         self.ticks = int(data.get("ticks", 0))
         self.rollout_gpus_max = int(data.get("rollout_gpus_max", 0))
         self.job_gpus_max = int(data.get("job_gpus_max", 0))
-        self.rollout_owed = bool(data.get("rollout_owed", False))
         self.held = bool(data.get("held", False))
         switch = data.get("switch_s")
         self.switch_s = None if switch is None else float(switch)
