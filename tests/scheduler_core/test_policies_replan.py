@@ -10,6 +10,7 @@ from scheduler.core.costs import MigrationCostModel
 from scheduler.core.decisions import Reason
 from scheduler.core.hypergraph import ComponentKind, Hypergraph, Parallelism
 from scheduler.core.policies import Placement
+from scheduler.core.policies.moves import migration_cost_s
 from scheduler.core.policies.outcomes import MIN_OUTCOMES, MoveOutcomes, OpenOutcome
 from scheduler.core.policies.replan import (
     TRIAL_MARGIN_PRIOR,
@@ -266,6 +267,54 @@ def test_a_switch_is_made_when_a_few_iterations_of_saving_pay_for_it_and_not_soo
         assert saving > TRIAL_MARGIN_PRIOR * (colocated + saving) and saving < switch
         # Three iterations of saving pay for the switch: it is made; less, it is not.
         assert choice is not None and (choice.placement is Placement.COLOCATED) is switches, choice.detail
+
+
+def test_staying_disaggregated_is_charged_the_homecoming_of_the_gpus_lent_within_the_iteration() -> None:
+    # The first iteration lent its drained GPUs to the pipeline; colocated is predicted 8% faster
+    # than it took, short of the 10% a placement never run must beat. Staying, the next iteration
+    # opens by bringing those GPUs home; a switch rebuilds the placement instead.
+    first = record(Placement.DISAGGREGATED, 0.0)
+    duration = PlacementModel(COST, n_minibatches=8).colocated_s(first) / 0.92
+    first = replace(first, duration_s=duration)
+    opening = 0.05 * duration
+    plan = replanner()
+    plan.learn(first)
+    kept = plan.choose(Placement.DISAGGREGATED, 48, 64, allow_colocated=True)
+    assert kept is not None and kept.placement is Placement.DISAGGREGATED, kept.detail
+    plan = replanner()
+    plan.learn(first)
+    switched = plan.choose(Placement.DISAGGREGATED, 48, 64, allow_colocated=True, opening_s=opening)
+    assert switched is not None and switched.placement is Placement.COLOCATED, switched.detail
+    assert switched.predicted_s[Placement.DISAGGREGATED] == duration + opening
+    assert "to bring its lent GPUs home" in switched.detail
+    assert plan.opening_s == 0.0
+    # A job that stays pays the opening in its next iteration's duration, which is not charged it
+    # twice, also by a scheduler restarted from the saved state in between.
+    held = replanner()
+    held.learn(first)
+    held.choose(Placement.DISAGGREGATED, 48, 64, allow_colocated=False, opening_s=opening)
+    held.learn(replace(first, iteration=1, duration_s=duration + opening))
+    restarted = replanner()
+    restarted.load(held.to_json())
+    for plan in (held, restarted):
+        again = plan.choose(Placement.DISAGGREGATED, 48, 64, allow_colocated=False, opening_s=opening)
+        assert again is not None and again.predicted_s[Placement.DISAGGREGATED] == duration + opening
+
+
+def test_the_homecoming_is_the_slowest_return_in_the_share_of_the_rollouts_gpus_away() -> None:
+    policy = policy_with()
+    rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
+    actor = make_group("actor", ACTOR, 8, first_device=50, depends_on=("rollout",))
+    graph = make_graph(rollout, actor)
+    assert policy._opening_s(graph) == 0.0
+    # Half its GPUs are with the trainer: the rollout's body runs on the other half while they
+    # come home.
+    policy.loans.lend("rollout", "actor", ["n0-g54", "n0-g55", "n0-g56", "n0-g57"], 1.0)
+    back = migration_cost_s(policy.cost_model, actor, rollout, 4)
+    assert policy._opening_s(graph) == 0.5 * back
+    # A loan from another group delays nothing the rollout does.
+    policy.loans.lend("inference", "actor", ["n0-g58"], 1.0)
+    assert policy._opening_s(graph) == 0.5 * back
 
 
 def test_a_saturated_rollout_is_predicted_to_spread_over_every_gpu_when_colocated() -> None:

@@ -253,6 +253,7 @@ class DynaRLPolicy(BasePolicy):
         self._rollout_base: int | None = None  # rollout GPUs at the start of a disaggregated iteration
         self._placement_choice: PlacementChoice | None = None  # for the caller to carry out
         self._loans_before_change: list[Loan] = []  # loans a refused placement change gives back
+        self._opening_before_change = 0.0  # and the seconds their homecoming then costs
         self.last_replan = ""  # the latest boundary's reasoning, for the decision trail
         self._measured: MeasuredIteration | None = None  # this tick's, from the job's driver
         self._measured_learnt: int | None = None  # the last of the driver's iterations learnt from
@@ -602,6 +603,7 @@ class DynaRLPolicy(BasePolicy):
         # (a batch that does not split over all of them leaves some out of the train step).
         spans = [largest_valid_gpus(node, total) for node in trainers]
         colocated_trainer_gpus = min(spans) if spans and 0 < min(spans) < total else None
+        opening = self._opening_s(graph)
         choice = self.replanner.choose(
             self.mode,
             rollout_gpus,
@@ -609,6 +611,7 @@ class DynaRLPolicy(BasePolicy):
             allow_colocated=not held,
             held_because=held,
             colocated_trainer_gpus=colocated_trainer_gpus,
+            opening_s=opening,
         )
         if choice is None:
             return None
@@ -617,8 +620,27 @@ class DynaRLPolicy(BasePolicy):
             return None
         if not self.placement_changes_supported:
             self.last_replan = f"{choice.detail} [not carried out: {PLACEMENT_CHANGE_UNSUPPORTED}]"
+            self.replanner.opening_s = opening
             return None
+        self._opening_before_change = opening
         return choice
+
+    def _opening_s(self, graph: Hypergraph) -> float:
+        """The seconds the next iteration loses at its start, disaggregated, while the rollout's
+        lent GPUs come home: each return costs the borrower's release and the rollout's engine
+        starts (the returns run side by side), and the rollout's body meanwhile runs on the GPUs
+        it kept, so the loss is that cost in the share of its GPUs that were away."""
+        home = self._home_gpus(graph, ComponentKind.ROLLOUT)
+        if home <= 0:
+            return 0.0
+        away = 0
+        slowest = 0.0
+        for rollout in graph.by_kind(ComponentKind.ROLLOUT):
+            for move in self.loans.return_moves(graph, lender=rollout.id, keep_a_worker=True):
+                gpus = len(move.devices)
+                away += gpus
+                slowest = max(slowest, migration_cost_s(self.cost_model, move.borrower, move.lender, gpus))
+        return slowest * min(1.0, away / home)
 
     def _rebase(
         self, graph: Hypergraph, record: IterationRecord | None, returns: Sequence[Decision], now: float
@@ -933,6 +955,8 @@ class DynaRLPolicy(BasePolicy):
         """The caller could not carry out ``choice``: the job stays as it was."""
         self.loans.loans.extend(self._loans_before_change)
         self._loans_before_change = []
+        # The loans go home within the next iteration after all (``_return_loans`` of a tick).
+        self.replanner.opening_s = self._opening_before_change
         self.ledger.held = False
         self.mode = (
             Placement.DISAGGREGATED if choice.placement is Placement.COLOCATED else Placement.COLOCATED

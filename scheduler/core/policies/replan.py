@@ -36,7 +36,10 @@ would leave the iteration no slower if the rollout gained nothing from them: ``b
 ``PlacementModel.disaggregated_s``) needs only a margin for the job's pace noise; dynarl's
 ``bounded_replan_margin``. A switch's one-off cost is the cost model's estimate until the job has
 switched once; from then on, no less than what the switch measured (the time from the boundary
-to the first tick in the new layout, which is not charged to the iteration that follows).
+to the first tick in the new layout, which is not charged to the iteration that follows). Staying
+disaggregated has a boundary cost of its own, which a switch does not pay: the GPUs lent within
+the iteration come home, and the rollout opens the next one short of them (``opening_s``). The
+first iteration had no such opening, so staying is predicted as it took plus the opening.
 """
 
 from __future__ import annotations
@@ -525,6 +528,9 @@ class Replanner:
         self.trial_margins: dict[Placement, float] = {}
         self.trial: tuple[Placement, float] | None = None  # a crossing, and the seconds it predicted
         self.switch_measured_s: float | None = None  # the longest switch this job measured
+        # The estimated seconds the running iteration lost at its start to bringing lent GPUs home
+        # (``choose``'s ``opening_s`` at the boundary that kept its placement; 0 after a switch).
+        self.opening_s = 0.0
 
     def trial_margin(self, placement: Placement) -> float:
         return self.trial_margins.get(placement, TRIAL_MARGIN_PRIOR)
@@ -574,16 +580,22 @@ class Replanner:
         allow_colocated: bool,
         held_because: str = "the job generates ahead",
         colocated_trainer_gpus: int | None = None,
+        opening_s: float = 0.0,
     ) -> PlacementChoice | None:
         """The placement for the next iteration, or None with nothing measured yet. Without
         ``allow_colocated`` a disaggregated job stays so, ``held_because`` says why.
         ``colocated_trainer_gpus``: the GPUs the trainer spans when colocated, where its valid
-        sizes stop short of all the job's GPUs (None: all of them)."""
+        sizes stop short of all the job's GPUs (None: all of them). ``opening_s``: the seconds
+        the next iteration would lose at its start, staying as it is, to bringing GPUs lent
+        within this one home. A switch rebuilds the placement instead, so it does not pay them;
+        the last iteration's duration carries its own opening (``self.opening_s``), which the
+        next one's replaces: the first iteration had none, and its successors' will."""
         record = self.last
         if record is None:
             return None
         other = Placement.DISAGGREGATED if current is Placement.COLOCATED else Placement.COLOCATED
         stay, _ = self.predicted_s(current, rollout_gpus, colocated_trainer_gpus)
+        stay = max(0.0, stay - self.opening_s) + opening_s
         move, measured = self.predicted_s(other, rollout_gpus, colocated_trainer_gpus)
         predicted = {current: stay, other: move}
         switch = self.model.switch_s(other, record.total_gpus, trainer_gpus, colocated_trainer_gpus)
@@ -592,11 +604,14 @@ class Replanner:
             switch, switch_basis = self.switch_measured_s, " (as measured on this job)"
         margin = self.margin if measured else max(self.margin, self.trial_margin(other))
         basis = "its measured throughput on this job" if measured else "modelled from this iteration"
+        opening = f" (and {opening_s:.1f}s to bring its lent GPUs home, staying)" if opening_s >= 0.05 else ""
         summary = (
-            f"iteration {record.iteration} ({record.placement}) took {seconds(record.duration_s)}s: rollout "
-            f"body {seconds(record.rollout_body_s)}s, tail {seconds(record.rollout_tail_s)}s, pipeline "
+            f"iteration {record.iteration} ({record.placement}) took {seconds(record.duration_s)}s{opening}: "
+            f"rollout body {seconds(record.rollout_body_s)}s, tail {seconds(record.rollout_tail_s)}s, pipeline "
             f"{seconds(record.pipeline_gpu_s)} GPU-s; {other} predicted {seconds(move)}s ({basis})"
         )
+        # Taken as kept until a switch is chosen (a caller that cannot carry one out sets it back).
+        self.opening_s = opening_s
         if other is Placement.COLOCATED and not allow_colocated:
             return PlacementChoice(current, predicted, 0.0, f"{summary}; {current} stays: {held_because}")
         # The saving must clear the margin (the prediction's noise) and pay the one-off switch
@@ -605,6 +620,7 @@ class Replanner:
         if saving > margin * stay and PAYBACK_ITERATIONS * saving > switch:
             if not measured:
                 self.trial = (other, move)
+            self.opening_s = 0.0
             return PlacementChoice(
                 other,
                 predicted,
@@ -628,6 +644,7 @@ class Replanner:
             "trial_margins": {mode.value: value for mode, value in self.trial_margins.items()},
             "trial": [self.trial[0].value, self.trial[1]] if self.trial is not None else None,
             "switch_measured_s": self.switch_measured_s,
+            "opening_s": self.opening_s,
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -642,6 +659,7 @@ class Replanner:
         self.trial = (Placement(trial[0]), float(trial[1])) if trial else None
         switch = data.get("switch_measured_s")
         self.switch_measured_s = None if switch is None else float(switch)
+        self.opening_s = float(data.get("opening_s", 0.0))
 
 
 def seconds(value: float) -> str:
