@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from agents.backends.ray import LOOPBACK_ENV
-from agents.backends.ray.driver import rl_config
+from agents.backends.ray.driver_client import rl_config
 from bench.stack import (
     ControlPlane,
     Run,
@@ -59,7 +59,7 @@ from bench.stack import (
 )
 from controlplane.processes import local_ray_cluster_command, ray_agent_command
 from jobs.spec import parse_spec
-from runtime.rl.job import warm_start_weights
+from runtime.rl.warm_start import warm_start_weights
 
 NODES = ("bench-ray-0", "bench-ray-1")
 POLICIES = ("static-disaggregated", "static-colocated", "dynarl")

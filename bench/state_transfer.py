@@ -32,7 +32,8 @@ from torch._C import _distributed_c10d as c10d
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.state_transfer import TransferRendezvous, state_checksums, transfer_state
-from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, create_data_parallel_group
+from runtime.rl.trainer import DataParallelRendezvous, Trainer, create_data_parallel_group
+from runtime.rl.trainer_config import TrainerConfig
 from runtime.task.tokenizer import CharTokenizer
 
 TIMEOUT_S = 600.0

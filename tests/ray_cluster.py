@@ -40,6 +40,6 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
 @pytest.fixture(scope="session")
 def warm_start_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkpoint directory the session's real jobs share: a warm start is cached there under
-    its model, SFT settings and seed (``runtime.rl.job.warm_start_cache_key``), so the first job of
+    its model, SFT settings and seed (``runtime.rl.warm_start.warm_start_cache_key``), so the first job of
     a shape computes it and the others load it, as jobs sharing a node's directory do."""
     return tmp_path_factory.mktemp("checkpoints")

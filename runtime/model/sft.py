@@ -13,27 +13,15 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from runtime.model.megatron_gpt import forward_logits, model_device
+from runtime.model.sft_config import SFTConfig
 from runtime.task.arithmetic import Problem, TaskConfig, iter_problems, score
 from runtime.task.tokenizer import CharTokenizer
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    steps: int = 500
-    batch_size: int = 16
-    learning_rate: float = 5e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 20
-    seed: int = 0
-    # Batches drawn together and sorted by length before being cut (see length_bucketed_batches).
-    bucket_pool_batches: int = 8
-    task: TaskConfig = field(default_factory=TaskConfig)
 
 
 @dataclass

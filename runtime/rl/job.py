@@ -1,43 +1,34 @@
-"""What one RL job is: its configuration, its problems, its request ids and its warm start.
+"""What one RL job is: its configuration, its problems and its request ids.
 
 `RLJobConfig` is everything a job needs to run (model shape, task, batch shape, sampling,
 trainer and warm-start settings), frozen, validated and JSON round-trippable, so the control
 plane can hand it to every worker as text. The rest are pure functions of it: the problems of an
-iteration (fresh each time, or walked epoch by epoch through the job's dataset), the rid and
-sampling seed of each sample, and the supervised warm start's weights (optionally cached on
-disk, since every job and test would otherwise redo it).
+iteration (fresh each time, or walked epoch by epoch through the job's dataset) and the rid and
+sampling seed of each sample. The warm start's weights are `runtime.rl.warm_start`'s: this module
+stays free of the training stack (megatron-core), so a node agent reads a job's configuration
+without importing it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar
-
-import torch
 
 from runtime.engine.client import make_rid
 from runtime.engine.cpu_engine import EngineSettings
-from runtime.model.checkpoint import hf_to_engine, is_checkpoint, load_checkpoint, save_checkpoint
 from runtime.model.config import GPTConfig
-from runtime.model.megatron_gpt import build_gpt_model
-from runtime.model.sft import SFTConfig, supervised_warm_start
-from runtime.model.weights import megatron_to_engine
+from runtime.model.sft_config import SFTConfig
 from runtime.rl.grpo import GRPOConfig
-from runtime.rl.trainer import TrainerConfig, training_device
+from runtime.rl.trainer_config import TrainerConfig
 from runtime.task.arithmetic import TOOL_CALL_END, Problem, TaskConfig, generate_problems, iter_problems
-from runtime.task.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+from runtime.task.tokenizer import EOS_ID, PAD_ID, CharTokenizer
 
 # The weight version the warm-start weights carry: the trainer's version before its first step.
 INITIAL_WEIGHT_VERSION = "0"
-# Bumped when warm_start_weights changes what it computes, so stale cache entries are not read.
-_WARM_START_CACHE_FORMAT = 2
 
 
 # How an agentic job's turns reach the engines (runtime.rl.agentic.Routing's values).
@@ -317,63 +308,3 @@ def sample_seed(config: RLJobConfig, iteration: int, prompt: int, sample: int, t
     if turn:
         return _derived_seed("dynarl-sampling", config.seed, iteration, prompt, sample, turn)
     return _derived_seed("dynarl-sampling", config.seed, iteration, prompt, sample)
-
-
-def warm_start_cache_key(config: RLJobConfig) -> str:
-    """What the warm start's result depends on: model shape, SFT settings (with seed and task),
-    the device kind and the torch version (initialisation and kernels differ across them)."""
-    material = json.dumps(
-        {
-            "format": _WARM_START_CACHE_FORMAT,
-            "model": asdict(config.model),
-            "sft": asdict(config.sft_config()),
-            "device": training_device().type,
-            "torch": torch.__version__,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(material.encode()).hexdigest()[:32]
-
-
-def warm_start_checkpoint(config: RLJobConfig, cache_dir: Path) -> Path:
-    """Where the warm start's checkpoint (Hugging Face layout, see runtime/model/checkpoint.py)
-    lives under ``cache_dir``: a directory named by `warm_start_cache_key`."""
-    return Path(cache_dir) / f"warm-start-{warm_start_cache_key(config)}"
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """On one CPU thread: the order of a matmul's float sums depends on torch's thread count, so
-    the same seed gives the same warm start in a driver (one thread), a benchmark or a test
-    process only when they compute it alike."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def warm_start_weights(config: RLJobConfig, cache_dir: Path | None = None) -> dict[str, torch.Tensor]:
-    """The supervised warm start's weights in the engine's names (on the CPU), from the job's seed.
-
-    With ``cache_dir`` the result is read from, or else written to, `warm_start_checkpoint`, a
-    checkpoint any engine (ours or SGLang) loads; it is written atomically, so concurrent jobs
-    never read half of one.
-    """
-    path = warm_start_checkpoint(config, cache_dir) if cache_dir is not None else None
-    if path is not None and is_checkpoint(path):
-        _, tensors = load_checkpoint(path)
-        return hf_to_engine(tensors, config.model)
-    with _one_thread():
-        model = build_gpt_model(config.model, seed=config.seed)
-        if config.warm_start_steps:
-            supervised_warm_start(model, CharTokenizer(), config.sft_config())
-    weights = {
-        name: tensor.cpu() for name, tensor in megatron_to_engine(model.state_dict(), config.model).items()
-    }
-    if path is not None:
-        save_checkpoint(
-            path, weights, config.model, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
-        )
-    return weights

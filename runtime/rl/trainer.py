@@ -26,18 +26,16 @@ import gc
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._C import _distributed_c10d as c10d  # stores and backends are untyped in torch.distributed
 from torch.nn.parallel import DistributedDataParallel
 
-from runtime.model.config import GPTConfig
 from runtime.model.megatron_gpt import build_gpt_model, token_logprobs
 from runtime.model.weights import engine_to_megatron, megatron_to_engine
 from runtime.rl.grpo import (
-    GRPOConfig,
     GRPOMetrics,
     LossSums,
     Trajectory,
@@ -45,27 +43,7 @@ from runtime.rl.grpo import (
     pack_trajectories,
     trajectory_advantages,
 )
-from runtime.task.tokenizer import PAD_ID
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    model: GPTConfig
-    global_batch_size: int
-    micro_batch_size: int
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    pad_id: int = PAD_ID
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-
-    def __post_init__(self) -> None:
-        if self.global_batch_size < 1 or self.micro_batch_size < 1:
-            raise ValueError("global_batch_size and micro_batch_size must be positive")
-        if self.learning_rate <= 0:
-            raise ValueError("learning_rate must be positive")
+from runtime.rl.trainer_config import TrainerConfig
 
 
 @dataclass(frozen=True)

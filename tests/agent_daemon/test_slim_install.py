@@ -60,3 +60,25 @@ def test_help_and_bad_configuration() -> None:
         "--url / DYNARL_URL" in bad.stderr
         and "--heartbeat-interval / DYNARL_HEARTBEAT_INTERVAL_S" in bad.stderr
     )
+
+
+def test_the_ray_backend_loads_the_training_stack_only_to_start_a_trainer_rank_or_a_driver() -> None:
+    # An agent restarted on a GPU host is back in seconds: megatron-core (and torch's compiler
+    # with it) comes in only when the agent first starts an actor whose module needs it.
+    script = (
+        "import sys\n"
+        "from agents.backends.ray import backend\n"
+        "from agents.backends.ray.actors import JOB_DRIVER_ACTOR, TRAINER_RANK_ACTOR, actor_class\n"
+        "heavy = ('megatron', 'runtime.rl.trainer', 'runtime.rl.loop', 'agents.backends.ray.driver',\n"
+        "         'agents.backends.ray.trainer_rank')\n"
+        "def loaded():\n"
+        "    return sorted(m for m in sys.modules if m in heavy or m.startswith('megatron.'))\n"
+        "assert loaded() == [], loaded()\n"
+        "assert actor_class(TRAINER_RANK_ACTOR).__name__ == 'TrainerRankWorker'\n"
+        "assert actor_class(JOB_DRIVER_ACTOR).__name__ == 'JobDriver'\n"
+        "assert 'megatron' in loaded() and 'agents.backends.ray.driver' in loaded(), loaded()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -21,11 +21,11 @@ import pytest
 import yaml
 from celery import Celery
 
-from agents.backends.ray.driver import rl_config
+from agents.backends.ray.driver_client import rl_config
 from controlplane.stack import STATUS_FILE
 from controlplane.supervise import read_status
 from jobs.spec import parse_spec
-from runtime.rl.job import warm_start_checkpoint, warm_start_weights
+from runtime.rl.warm_start import warm_start_checkpoint, warm_start_weights
 from tests.services import REPO_ROOT, free_port, stop_process_tree, wait_until
 
 

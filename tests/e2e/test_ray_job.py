@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.actors import actor_name
 from agents.backends.ray.connection import connect
 from common.models import AuditEvent
@@ -40,7 +40,7 @@ def wait_state(stack: LiveStack, job: Job, state: str, timeout_s: float) -> None
 
 def nothing_left(cluster: LocalRayCluster, job: Job) -> bool:
     connect(cluster.address, namespace=NAMESPACE)
-    return not job_driver.job_actors(job.pk) and job_driver.driver_handle(job.pk) is None
+    return not driver_client.job_actors(job.pk) and driver_client.driver_handle(job.pk) is None
 
 
 @pytest.mark.django_db(transaction=True)

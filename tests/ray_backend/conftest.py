@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.actors import job_of, stop_worker
 from agents.backends.ray.backend import RayBackend
 from tests.ray_cluster import NAMESPACE, LocalRayCluster
@@ -28,5 +28,5 @@ def agents(ray_cluster: LocalRayCluster, warm_start_cache: Path) -> Iterator[dic
         node, _, worker_name = name.partition("/")
         if node in backends and job_of(worker_name) is not None:
             stop_worker(node, worker_name)
-        elif name.startswith(job_driver.DRIVER_PREFIX):
-            job_driver.stop_driver(int(name.removeprefix(job_driver.DRIVER_PREFIX)))
+        elif name.startswith(driver_client.DRIVER_PREFIX):
+            driver_client.stop_driver(int(name.removeprefix(driver_client.DRIVER_PREFIX)))

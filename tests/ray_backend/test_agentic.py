@@ -11,6 +11,7 @@ import ray
 
 from agents.backends.base import StepFailed
 from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.backend import RayBackend
 from jobs.spec import parse_spec
 from tests.ray_backend.test_backend import entry_until, observe_layout, worker
@@ -129,7 +130,7 @@ def test_an_agentic_job_calls_its_tool_workers_while_they_move_by_restart(
             step(shrink, 2, "release_devices", [leaving], ["node-b/gpu1"]),
         ],
     )
-    assert not [a for a in job_driver.job_actors(JOB) if a.endswith(leaving)]
+    assert not [a for a in driver_client.job_actors(JOB) if a.endswith(leaving)]
     before = calls(staying)
     observe(agents, 1, [staying])
     result = trained(agents, 1)
@@ -162,7 +163,7 @@ def test_an_agentic_job_calls_its_tool_workers_while_they_move_by_restart(
             step(back, 1, "stop_workers", [new], ["node-b/gpu1"]),
         ],
     )
-    assert not [a for a in job_driver.job_actors(JOB) if a.endswith(new)]
+    assert not [a for a in driver_client.job_actors(JOB) if a.endswith(new)]
     rollback = [
         step(back, 1, "restart_workers", [new], ["node-b/gpu1"]),
         step(back, 0, "undrain", [new], ["node-b/gpu1"]),

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import ray
 
-from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.backend import RayBackend
 from jobs.spec import parse_spec
 from runtime.engine.client import EngineClient
@@ -181,7 +181,7 @@ def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[
     # The job finished: its workers stop, and with the last of them its driver.
     for node, workers in layout(job).items():
         assert agents[node].stop_workers(job, [w["worker"] for w in workers])["ok"]
-    assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
+    assert driver_client.job_actors(job) == [] and driver_client.driver_handle(job) is None
 
 
 def test_a_job_placed_anew_after_its_trainer_trained_the_iteration_to_redo_counts_it_trained(
@@ -224,7 +224,7 @@ def test_a_job_placed_anew_after_its_trainer_trained_the_iteration_to_redo_count
     assert [(r["iteration"], r["weight_version"]) for r in entry["results"]] == [(1, "2"), (2, "3")]
     for node, workers in relaid.items():
         assert agents[node].stop_workers(job, [w["worker"] for w in workers])["ok"]
-    assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
+    assert driver_client.job_actors(job) == [] and driver_client.driver_handle(job) is None
 
 
 @pytest.mark.parametrize(("job", "group"), [(32, "rollout"), (36, "actor")])
@@ -247,7 +247,7 @@ def test_a_worker_that_dies_fails_the_job_with_a_readable_reason(
         assert f"worker j{job}-rollout-w1" in on_a["failure"]
     for node, workers in layout(job).items():
         agents[node].stop_workers(job, [w["worker"] for w in workers])
-    assert job_driver.job_actors(job) == [] and job_driver.driver_handle(job) is None
+    assert driver_client.job_actors(job) == [] and driver_client.driver_handle(job) is None
 
 
 def test_after_its_agent_comes_back_a_starting_worker_is_not_lost_but_a_running_one_without_actor_is(

@@ -16,6 +16,7 @@ import ray
 
 from agents.backends.base import StepFailed
 from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.backend import RayBackend
 from runtime.rl import state_transfer
 from tests.ray_backend.test_backend import entry_until, tiny_spec, worker
@@ -148,7 +149,7 @@ def test_growing_onto_another_node_and_shrinking_off_the_pushing_rank(agents: di
             step(job, migration, 5, "release_devices", [old], ["node-a/gpu1"]),
         ],
     )
-    assert job_driver.job_actors(job).count(f"node-a/{old}") == 0
+    assert driver_client.job_actors(job).count(f"node-a/{old}") == 0
     entry = train(agents, job, 2, [new])
     # The staying rank pushed the weights: every engine reports its step.
     assert entry["results"][-1]["weight_version"] == "3"
@@ -206,7 +207,7 @@ def grow_and_lose_the_new_rank(agents: dict[str, RayBackend], job: int, kill: st
     assert ray.get(rank(old).checksums.remote()) == before
     entry = train(agents, job, 1, [old])
     assert entry["results"][-1]["weight_version"] == "2"
-    assert not [n for n in job_driver.job_actors(job) if n.endswith(new)]
+    assert not [n for n in driver_client.job_actors(job) if n.endswith(new)]
 
 
 def test_a_new_rank_dying_before_the_transfer_rolls_back_and_the_old_layout_trains_on(

@@ -14,7 +14,7 @@ from agents.backends.ray.trainer_rank import TrainerRankWorker
 from runtime.engine.client import EngineClient
 from runtime.engine.cpu_engine import EngineSettings
 from runtime.rl.grpo import Trajectory
-from runtime.rl.trainer import TrainerConfig
+from runtime.rl.trainer_config import TrainerConfig
 from tests.ray_cluster import NAMESPACE, LocalRayCluster
 from tests.runtime.rl.batches import TINY, grpo_batch, trainer_config
 

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.backend import RayBackend
 from runtime.engine.client import EngineClient
 from runtime.rl.job import INITIAL_WEIGHT_VERSION
@@ -91,7 +92,7 @@ def test_reference_engines_leave_and_join_by_workload_while_the_job_trains(
             step(shrink, 3, "release_devices", [leaving], ["node-b/gpu1"]),
         ],
     )
-    assert not [a for a in job_driver.job_actors(JOB) if a.endswith(leaving)]  # its agent stopped it
+    assert not [a for a in driver_client.job_actors(JOB) if a.endswith(leaving)]  # its agent stopped it
     observe(agents, 1, [staying])
     trained(agents, 1)
     before = served(staying)
@@ -179,7 +180,7 @@ def test_a_rollout_growing_mid_generation_hands_its_new_engine_a_share_of_the_ba
     slow = EngineClient(ray.get(job_driver.worker_actor(old).url.remote()))
     slow.slow_down(0.5)
     observe_growing(agents, 1, [old])
-    driver = job_driver.driver_handle(GROWING)
+    driver = driver_client.driver_handle(GROWING)
 
     def generating() -> bool:
         progress = ray.get(driver.progress.remote())

@@ -9,7 +9,6 @@ import torch
 from runtime.model.config import GPTConfig
 from runtime.model.megatron_gpt import build_gpt_model
 from runtime.model.sft import (
-    SFTConfig,
     exact_match_accuracy,
     greedy_decode,
     held_out_problems,
@@ -17,6 +16,7 @@ from runtime.model.sft import (
     solution_batch,
     supervised_warm_start,
 )
+from runtime.model.sft_config import SFTConfig
 from runtime.task.arithmetic import iter_problems, make_problem
 from runtime.task.tokenizer import CharTokenizer
 

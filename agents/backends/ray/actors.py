@@ -29,6 +29,8 @@ time), from which the agent's telemetry takes differences.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 import socket
@@ -69,6 +71,23 @@ PROCESS_PROBE_S: Final = 2.0
 # The control plane names a job's workers j<job>-<group>-w<i> at launch and <group>-m<job>-<decision>-w<k>
 # when a migration adds them (scheduler/core/migration.py).
 WORKER_NAME: Final = re.compile(r"^(?:j(?P<job>\d+)-|[^/]+?-m(?P<migrated>\d+)-\d+-w\d+$)")
+
+
+# Actors whose modules import the training stack (megatron-core, and torch's compiler with it:
+# seconds of imports), named rather than imported here: an agent loads one the first time it starts
+# such an actor, so a restarted agent that finds its workers and its jobs' drivers running does
+# not pay for them.
+TRAINER_RANK_ACTOR: Final = "agents.backends.ray.trainer_rank:TrainerRankWorker"
+JOB_DRIVER_ACTOR: Final = "agents.backends.ray.driver:JobDriver"
+
+
+@functools.cache
+def actor_class(path: str) -> type:
+    """The class ``path`` (``module:Class``) names, imported on first use."""
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type), path
+    return cls
 
 
 def job_of(worker: str) -> int | None:

@@ -39,13 +39,15 @@ from agents.backends.base import (
     WorkerReading,
     local_device_index,
 )
-from agents.backends.ray import driver as job_driver
+from agents.backends.ray import driver_client
 from agents.backends.ray.actors import (
     ENGINE_KINDS,
+    TRAINER_RANK_ACTOR,
     EngineWorker,
     RewardWorker,
     ToolWorker,
     WorkerUsage,
+    actor_class,
     actor_name,
     job_of,
     node_workers,
@@ -54,7 +56,6 @@ from agents.backends.ray.actors import (
     worker_handle,
 )
 from agents.backends.ray.connection import RayClusterError, RayNode, connect, find_node
-from agents.backends.ray.trainer_rank import TrainerRankWorker
 from agents.backends.step_payload import StepContext, parse_step
 from runtime.engine.client import EngineClient, EngineError
 from runtime.rl.job import RLJobConfig
@@ -71,9 +72,9 @@ KEEP_STATE_WAIT_S: Final = 300.0
 # The strategies carried out, and which of their step kinds the job's driver does (once for all the
 # step's nodes); the others are each node's own (starting and stopping its workers).
 DRIVER_KINDS: Final = {
-    "p2p": job_driver.P2P_KINDS,
+    "p2p": driver_client.P2P_KINDS,
     "restart": frozenset({"drain", "undrain", "switch"}),
-    "workload": job_driver.WorkloadMigration.kinds,
+    "workload": driver_client.WORKLOAD_KINDS,
 }
 SUPPORTED_KINDS: Final = (*ENGINE_KINDS, "actor", "reward", "tool")
 
@@ -145,7 +146,7 @@ class RayBackend:
         if isinstance(job_id, bool) or not isinstance(job_id, int) or not isinstance(spec, Mapping):
             raise StepFailed("the launch payload needs an integer 'job' and its 'spec'")
         try:
-            config = job_driver.rl_config(spec)
+            config = driver_client.rl_config(spec)
         except ValueError as exc:
             problem = f"the job cannot run on the ray backend: {exc}"
             return {
@@ -153,7 +154,7 @@ class RayBackend:
                 "workers": {str(w.get("worker")): {"ok": False, "error": problem} for w in workers},
             }
         # First, so that whichever node reports the job's workers first finds its driver there.
-        job_driver.ensure_driver(job_id, spec, self.node, self.checkpoint_dir)
+        driver_client.ensure_driver(job_id, spec, self.node, self.checkpoint_dir)
         handles: dict[str, Any] = {}
         outcomes: dict[str, dict[str, Any]] = {}
         for entry in workers:
@@ -194,7 +195,7 @@ class RayBackend:
             return existing
         devices = list(entry.get("devices", []))
         if kind in ENGINE_KINDS:
-            settings = job_driver.engine_settings(config)
+            settings = driver_client.engine_settings(config)
             return start_worker_actor(
                 self.node,
                 name,
@@ -202,10 +203,12 @@ class RayBackend:
                 EngineWorker,
                 config.model.to_json(),
                 settings,
-                job_driver.requested_engine(spec),
+                driver_client.requested_engine(spec),
             )
         if kind == "actor":
-            return start_worker_actor(self.node, name, devices, TrainerRankWorker, config.trainer_config())
+            return start_worker_actor(
+                self.node, name, devices, actor_class(TRAINER_RANK_ACTOR), config.trainer_config()
+            )
         if kind == "tool":
             return start_worker_actor(self.node, name, devices, ToolWorker, config.tool_latency_s)
         return start_worker_actor(self.node, name, devices, RewardWorker)
@@ -233,8 +236,8 @@ class RayBackend:
             except TimeoutError as exc:
                 stopped[name] = {"ok": False, "error": str(exc)}
         for owner in jobs:
-            if not job_driver.job_actors(owner):
-                job_driver.stop_driver(owner)
+            if not driver_client.job_actors(owner):
+                driver_client.stop_driver(owner)
                 with self._lock:
                     self._lost.pop(owner, None)
         result: dict[str, Any] = {"ok": all(o["ok"] for o in stopped.values()), "workers": stopped}
@@ -245,7 +248,7 @@ class RayBackend:
     def _keep_state(self, job_id: int, redo_from_iteration: int) -> dict[str, Any]:
         """The job driver's ``keep_state`` (the first node to ask has it done), or why not. A
         stop goes on either way: the control plane is placing the job anew."""
-        handle = job_driver.driver_handle(job_id)
+        handle = driver_client.driver_handle(job_id)
         if handle is None:
             return {"kept": False, "why": "the job's driver is gone"}
         try:
@@ -295,7 +298,7 @@ class RayBackend:
             raise StepFailed(f"{self.host}: {ctx.kind}: {exc}") from exc
 
     def _driver_step(self, ctx: StepContext) -> dict[str, Any]:
-        handle = job_driver.driver_handle(ctx.job_id)
+        handle = driver_client.driver_handle(ctx.job_id)
         if handle is None:
             raise StepFailed(f"{self.host}: {ctx.kind}: job {ctx.job_id} has no driver")
         step = {
@@ -362,9 +365,11 @@ class RayBackend:
         payloads = self._launch_payloads(ctx, kind, placed)
         if kind == "actor":
             config = ray.get(driver.trainer_config.remote(), timeout=CALL_TIMEOUT_S * 5)
-            handles = [self._start_actor(p, TrainerRankWorker, config) for p in payloads.values()]
+            handles = [
+                self._start_actor(p, actor_class(TRAINER_RANK_ACTOR), config) for p in payloads.values()
+            ]
             ray.get([h.standby.remote() for h in handles], timeout=LAUNCH_TIMEOUT_S)
-        elif kind in job_driver.RESTARTED_KINDS:
+        elif kind in driver_client.RESTARTED_KINDS:
             handles = self._start_call_workers(driver, kind, payloads)
         elif kind in ENGINE_KINDS:
             model, settings, requested = ray.get(driver.engine_launch.remote(), timeout=CALL_TIMEOUT_S * 5)
@@ -393,7 +398,7 @@ class RayBackend:
 
     def _driver_and_kind(self, ctx: StepContext) -> tuple[Any, str]:
         """The job's driver, and the kind of the step's group as the driver knows it."""
-        driver = job_driver.driver_handle(ctx.job_id)
+        driver = driver_client.driver_handle(ctx.job_id)
         if driver is None:
             raise StepFailed(f"{self.host}: job {ctx.job_id} has no driver to build its workers from")
         kind: str = ray.get(driver.group_kind.remote(ctx.group), timeout=CALL_TIMEOUT_S * 5)
@@ -635,7 +640,7 @@ class RayBackend:
         for job in sorted(set(by_job) | set(lost)):
             held = by_job.get(job, {})
             mine = list(held.values())
-            progress = job_driver.driver_progress(job) if mine else None
+            progress = driver_client.driver_progress(job) if mine else None
             if progress is not None and progress.get("failure") and not self._holds_any(held):
                 # Its workers here were stopped on purpose since the readings were taken (the job
                 # placed anew, or ended), and its driver went with the last of them: that is no
@@ -643,7 +648,7 @@ class RayBackend:
                 if job not in lost:
                     continue
                 progress = None
-            entry = job_driver.progress_entry(job, progress, mine)
+            entry = driver_client.progress_entry(job, progress, mine)
             if job in lost:
                 entry["failure"] = lost[job]
             entries.append(entry)
@@ -656,7 +661,7 @@ class RayBackend:
             return
         for key, view in section.items():
             if str(key).isdigit() and isinstance(view, Mapping) and "iteration" in view:
-                job_driver.observe(int(key), view)
+                driver_client.observe(int(key), view)
 
     def running_workers(self) -> Sequence[str]:
         return node_workers(self.node.name)

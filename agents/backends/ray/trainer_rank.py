@@ -17,7 +17,8 @@ from runtime.engine.weight_sync import DEFAULT_GROUP_NAME
 from runtime.rl.checkpoint import load_trainer_state, save_trainer_state
 from runtime.rl.grpo import Trajectory
 from runtime.rl.state_transfer import TransferRendezvous, abandon_transfer, state_checksums, transfer_state
-from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, TrainStepMetrics
+from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainStepMetrics
+from runtime.rl.trainer_config import TrainerConfig
 from runtime.rl.weight_push import WeightPusher, weight_update_backend
 
 

@@ -12,7 +12,8 @@ from torch._C import _distributed_c10d as c10d
 from runtime.model.config import GPTConfig
 from runtime.model.megatron_gpt import build_gpt_model
 from runtime.rl.grpo import GRPOConfig, Trajectory
-from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig, response_logprobs
+from runtime.rl.trainer import DataParallelRendezvous, Trainer, response_logprobs
+from runtime.rl.trainer_config import TrainerConfig
 from runtime.task.arithmetic import TaskConfig, generate_problems
 from runtime.task.tokenizer import CharTokenizer
 

@@ -17,9 +17,10 @@ from runtime.engine.model import gpt_from_weights
 from runtime.model.config import GPTConfig
 from runtime.rl.agentic import AgenticSettings, AgenticStats, AgentLoop, Routing
 from runtime.rl.grpo import GRPOConfig
-from runtime.rl.job import RLJobConfig, iteration_problems, warm_start_weights
+from runtime.rl.job import RLJobConfig, iteration_problems
 from runtime.rl.loop import run_iteration
 from runtime.rl.rollout import EnginePool, RolloutSample
+from runtime.rl.warm_start import warm_start_weights
 from runtime.task.arithmetic import TOOL_CALL_END, TaskConfig
 from runtime.task.calculator import Calculator
 from runtime.task.tokenizer import CharTokenizer

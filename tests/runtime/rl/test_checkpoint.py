@@ -12,7 +12,8 @@ from torch._C import _distributed_c10d as c10d
 
 from runtime.rl.checkpoint import CheckpointError, load_trainer_state, save_trainer_state
 from runtime.rl.state_transfer import state_checksums
-from runtime.rl.trainer import DataParallelRendezvous, Trainer, TrainerConfig
+from runtime.rl.trainer import DataParallelRendezvous, Trainer
+from runtime.rl.trainer_config import TrainerConfig
 from tests.runtime.rl.batches import grpo_batch, trainer_config
 
 torch.set_num_threads(1)

@@ -19,9 +19,8 @@ from runtime.rl.job import (
     job_dataset,
     sample_rid,
     sample_seed,
-    warm_start_cache_key,
-    warm_start_weights,
 )
+from runtime.rl.warm_start import warm_start_cache_key, warm_start_weights
 from runtime.task.arithmetic import TaskConfig
 from runtime.task.tokenizer import EOS_ID, CharTokenizer
 

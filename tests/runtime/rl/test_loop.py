@@ -43,8 +43,9 @@ import torch
 
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig
-from runtime.rl.job import RLJobConfig, warm_start_weights
+from runtime.rl.job import RLJobConfig
 from runtime.rl.loop import IterationReport, run_iteration
+from runtime.rl.warm_start import warm_start_weights
 from runtime.task.arithmetic import TaskConfig
 from runtime.task.tokenizer import CharTokenizer
 from tests.runtime.rl.local_job import local_job

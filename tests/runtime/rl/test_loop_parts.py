@@ -13,7 +13,7 @@ import torch
 from runtime.engine.model import gpt_from_weights
 from runtime.model.config import GPTConfig
 from runtime.rl.grpo import GRPOConfig
-from runtime.rl.job import RLJobConfig, iteration_problems, warm_start_weights
+from runtime.rl.job import RLJobConfig, iteration_problems
 from runtime.rl.loop import (
     InProcessTrainerGroup,
     IterationReport,
@@ -23,6 +23,7 @@ from runtime.rl.loop import (
     verify_weight_versions,
 )
 from runtime.rl.rollout import EnginePool, rollout
+from runtime.rl.warm_start import warm_start_weights
 from runtime.rl.weight_push import WeightPusher
 from runtime.task.arithmetic import TaskConfig, score
 from runtime.task.tokenizer import CharTokenizer
