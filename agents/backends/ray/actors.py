@@ -86,7 +86,8 @@ def actor_class(path: str) -> type:
     """The class ``path`` (``module:Class``) names, imported on first use."""
     module, _, name = path.partition(":")
     cls = getattr(importlib.import_module(module), name)
-    assert isinstance(cls, type), path
+    if not isinstance(cls, type):
+        raise TypeError(f"{path} names {type(cls).__name__}, not an actor class")
     return cls
 
 
