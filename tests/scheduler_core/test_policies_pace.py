@@ -188,6 +188,21 @@ def test_without_history_the_tail_is_taken_to_last_as_long_as_the_body():
     assert memory.rollout_remaining_s(view(progress=1.0, in_flight=0), 40.0, cap_s=600.0) == 0.0
 
 
+def test_without_history_stragglers_that_outlive_the_tail_rule_are_expected_to_last_as_long_again():
+    # Rare outliers: 99% of the batch is done 10 s in, and the last 1% keeps decoding. The
+    # light-tail rule alone would expect them done within a tenth of the elapsed time.
+    memory = PaceMemory()
+    graph = job()
+    memory.observe(graph, tick(graph, progress=0.0), now=0.0)
+    memory.observe(graph, tick(graph, progress=0.99, in_flight=8), now=10.0)
+    stragglers = view(progress=0.99, in_flight=8)
+    assert memory.rollout_remaining_s(stragglers, 10.0, cap_s=600.0) == pytest.approx(1.0)
+    # 50 s on, still decoding: at least the 50 s they have run since the tail began.
+    memory.observe(graph, tick(graph, progress=0.99, in_flight=8), now=60.0)
+    assert memory.rollout_remaining_s(stragglers, 60.0, cap_s=600.0) == pytest.approx(50.0)
+    assert memory.rollout_remaining_s(stragglers, 60.0, cap_s=30.0) == 30.0
+
+
 def test_a_rollout_resize_measures_how_much_of_a_step_grows_with_the_batch():
     memory = PaceMemory()
     graph = job(rollout=4)

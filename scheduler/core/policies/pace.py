@@ -23,7 +23,9 @@ Rollout tail
     times, smoothed by the previous batch's duration and bounded to [0.5, 2]). While requests
     wait for a slot, no less than the outstanding requests' tokens at the current decode rate.
     Without a previous batch: the elapsed time while under 90% is done, shrinking linearly to
-    zero at 100% (DESIGN.md: ~95% of requests finish within ~60% of the longest decode).
+    zero at 100% (DESIGN.md: ~95% of requests finish within ~60% of the longest decode); and no
+    less than the time since 90% was done, since stragglers that outlive that rule (rare
+    outliers, far longer than the body) are as likely to last as long again as to end soon.
 
 Consolidation slowdown
     Decode is memory-bound: an engine step costs ``a + b k`` for ``k`` running sequences (the
@@ -347,6 +349,11 @@ class PaceMemory:
             remaining = max(0.0, self.previous_duration_s - reached_then) * ratio
         else:
             remaining = elapsed * min(1.0, (1.0 - p) / (1.0 - FALLBACK_TAIL_START))
+            tail_start = int(FALLBACK_TAIL_START * CURVE_POINTS)
+            if len(self.curve) > tail_start:
+                # Requests still decoding long after the tail began outlive the rule above:
+                # expect them to take at least as long again as they have since.
+                remaining = max(remaining, elapsed - self.curve[tail_start])
         return min(cap_s, max(remaining, backlog_s, 1.0))
 
     def tokens_per_iteration(self, view: RolloutView | None) -> float:
