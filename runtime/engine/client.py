@@ -187,7 +187,19 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        # The pool never closes a connection of its own accord: httpcore's pool may close an idle
+        # connection it has just handed to a waiting request (encode/httpcore#1110), and that
+        # request then reads a closed socket ([Errno 9] Bad file descriptor). It closes them as
+        # surplus keep-alives (counted over all connections, so under any concurrency above 20),
+        # to make room, and once idle past the keep-alive expiry; none of the three applies
+        # here. The callers bound their concurrency themselves (a rollout's slots per engine), so
+        # the pool holds at most one connection per concurrent caller; one the engine closed is
+        # still dropped when next looked at.
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=None),
+        )
 
     def close(self) -> None:
         self._http.close()
