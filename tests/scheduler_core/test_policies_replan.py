@@ -130,6 +130,68 @@ def test_the_ledger_times_the_rollout_saturated_while_requests_wait_or_its_engin
     assert (ledger.sums["rollout_saturated_s"], ledger.sums["rollout_saturated_gpu_s"]) == (2.0, 8.0)
 
 
+def test_the_ledger_reads_decode_steps_where_the_load_held_for_a_window_and_the_share_that_grew() -> None:
+    # Every sequence in flight gains a token a step, so a step takes in_flight / tokens_per_s.
+    # The rate is a window's average: a step is read only once the count in flight held for a
+    # whole window. The shortest step read bounds the part of a step that does not grow with
+    # the sequences, so a longer step at the same load grew by at least the difference.
+    rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
+    graph = make_graph(rollout, make_group("actor", ACTOR, 2, first_device=10))
+    ledger = IterationLedger(low_fraction_threshold=0.5)
+
+    def at(now: float, in_flight: int, tokens_per_s: float) -> None:
+        signals = make_signals(
+            rollout, in_flight=in_flight, tokens_per_s=tokens_per_s, utilisation_mean=0.6, window_s=2.0
+        )
+        ledger.observe(graph, {"rollout": signals}, now)
+
+    at(0.0, 400, 100_000.0)  # starts the iteration
+    at(1.0, 400, 100_000.0)  # the load is steady since this tick...
+    at(2.0, 400, 100_000.0)  # ...for one second of the two-second window: no step read yet
+    assert ledger.step_floor_s is None and ledger.sums["rollout_paced_sequence_s"] == 0.0
+    at(3.0, 400, 100_000.0)  # a whole window: 4 ms steps, the shortest so far
+    assert ledger.step_floor_s == 400 / 100_000.0
+    assert ledger.sums["rollout_paced_sequence_s"] == 0.0  # nothing grew yet
+    at(4.0, 396, 50_000.0)  # contexts grew: 7.9 ms steps, at least half of it the sequences'
+    assert ledger.sums["rollout_paced_sequence_s"] == 1.0 - (400 / 100_000.0) / (396 / 50_000.0)
+    before = dict(ledger.sums)
+    at(5.0, 200, 60_000.0)  # half the sequences done within the window: its rate says nothing
+    assert ledger.sums["rollout_paced_sequence_s"] == before["rollout_paced_sequence_s"]
+    assert ledger.step_floor_s == 400 / 100_000.0
+    assert (ledger.sums["rollout_paced_s"], ledger.sums["rollout_paced_gpu_s"]) == (5.0, 20.0)
+    assert ledger.sums["rollout_saturated_s"] == 0.0
+    # The floor is the job's: a new iteration keeps it, and so does a restarted scheduler.
+    restored = IterationLedger(low_fraction_threshold=0.5)
+    restored.load(ledger.to_json())
+    assert restored.step_floor_s == ledger.step_floor_s
+
+
+def test_a_request_paced_rollout_is_predicted_shorter_colocated_by_the_share_of_its_steps_that_grew() -> None:
+    # 300 s of a rollout paced by its requests on 48 GPUs. Colocated, its sequences spread over
+    # 64 engines: each step's part that grew with the sequences an engine held shrinks to 48/64,
+    # the rest (the weights read once a step) stays. Measured without that share, it stays as long.
+    model = PlacementModel(COST, n_minibatches=8)
+    paced = record(
+        Placement.DISAGGREGATED,
+        470.0,
+        rollout_body_s=300.0,
+        rollout_body_gpu_s=300.0 * 48,
+        pipeline_gpu_s=10_000.0,
+        rollout_paced_s=300.0,
+        rollout_paced_gpu_s=300.0 * 48,
+    )
+    rest = 10_000.0 / 64 + model.stage_switches_s(64)
+    assert model.colocated_s(paced) == 300.0 + rest
+    half = replace(paced, rollout_paced_sequence_s=150.0)
+    assert model.colocated_s(half) == 300.0 * (0.5 + 0.5 * 48 / 64) + rest
+    # Part of the body paced, part saturated: each part spreads as it ran.
+    mixed = replace(
+        half, rollout_paced_s=200.0, rollout_paced_gpu_s=200.0 * 48, rollout_paced_sequence_s=100.0
+    )
+    mixed = replace(mixed, rollout_saturated_s=100.0, rollout_saturated_gpu_s=100.0 * 48)
+    assert model.colocated_s(mixed) == 200.0 * (0.5 + 0.5 * 48 / 64) + 100.0 * 48 / 64 + rest
+
+
 def test_a_rollout_that_generates_its_batch_between_two_ticks_is_charged_the_interval_once() -> None:
     rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
     actor = make_group("actor", ACTOR, 2, first_device=10)

@@ -23,7 +23,9 @@ What an iteration is made of (``IterationRecord``):
   opened). No placement shortens it, so every prediction carries it as measured.
 
 Colocated runs the stages in turn on all ``N`` GPUs: body/N + tail + pipeline/N + two stage
-switches. Disaggregated overlaps: the body on the rollout's base GPUs, the tail with the drained
+switches, the body no shorter than its parts allow (a part saturated spreads over every engine;
+a part paced by its requests shortens only by the share of each decode step that grew with the
+sequences an engine held, which the ledger bounds from below with the job's shortest step). Disaggregated overlaps: the body on the rollout's base GPUs, the tail with the drained
 GPUs lent to the pipeline, then what is left of the pipeline on all GPUs.
 
 Neither formula is exact. A placement the job has run under is predicted from what it measured
@@ -72,6 +74,9 @@ TAIL_GPUS_PRIOR = 0.25
 # A rollout whose engines are busy on average at this utilisation or more is saturated: more
 # engines would take on part of its work at once.
 SATURATED_UTILISATION = 0.9
+# A rollout's requests in flight that stay within this share of a count count as a steady load:
+# a decode step read from the rate of a window over it is the step at that load.
+STEADY_LOAD = 0.02
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,13 @@ class IterationRecord:
     # work bound by how many engines there are, not by how long one request takes.
     rollout_saturated_s: float = 0.0
     rollout_saturated_gpu_s: float = 0.0
+    # The rest of the body, paced by its requests: its seconds, the GPU-seconds it held then, and
+    # its seconds weighted by the share of an engine step that grew with the sequences the
+    # engine held (``IterationLedger.sequence_share``). Spread over more engines, each holds
+    # fewer sequences, and that share of every step shrinks with them.
+    rollout_paced_s: float = 0.0
+    rollout_paced_gpu_s: float = 0.0
+    rollout_paced_sequence_s: float = 0.0
     # Stages the job's driver timed one after another, each on its own group's GPUs (group kind
     # -> busy GPU-seconds and the GPUs it ran on), the rollout's included; empty for an iteration
     # the ticks measured (stages overlapping, GPUs lent between them).
@@ -113,6 +125,17 @@ class IterationRecord:
     @property
     def tail_gpus(self) -> float:
         return self.rollout_tail_gpu_s / self.rollout_tail_s if self.rollout_tail_s > 0 else 0.0
+
+    def paced_on_s(self, gpus: int) -> float:
+        """The request-paced part of the body with its sequences spread over ``gpus`` GPUs'
+        engines instead of the ones it ran on: each step's share that grew with the sequences
+        held scales with how many each engine holds; the rest (the weights read, the step's
+        fixed cost) stays. Never longer than measured: only more GPUs are asked about."""
+        if self.rollout_paced_s <= 0:
+            return 0.0
+        ran_on = self.rollout_paced_gpu_s / self.rollout_paced_s
+        share = min(1.0, max(0.0, self.rollout_paced_sequence_s / self.rollout_paced_s))
+        return self.rollout_paced_s * ((1.0 - share) + share * min(1.0, ran_on / max(1, gpus)))
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -194,6 +217,13 @@ class IterationLedger:
         self.last_at: float | None = None
         self.held = False
         self.switch_s: float | None = None  # the last switch's measured seconds, until taken
+        # The shortest decode step the rollout's engines took on this job, read where their load
+        # held steady for a whole signal window (``_steady_step_s``): no more than the step's
+        # part that does not grow with the sequences held.
+        self.step_floor_s: float | None = None
+        # Since when the rollout's requests in flight stayed within STEADY_LOAD of this count
+        # (not kept across restarts: a restarted scheduler waits one window to read steps again).
+        self._steady_since: tuple[float, int] | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -240,6 +270,9 @@ class IterationLedger:
         drained_workers = 0.0
         busy_workers = 0.0
         rollout_workers = 0
+        in_flight = 0
+        tokens_per_s = 0.0
+        window_s = 0.0
         progress: list[float] = []
         for node in graph.by_kind(ComponentKind.ROLLOUT):
             sig = signals.get(node.id)
@@ -248,11 +281,15 @@ class IterationLedger:
             progress.append(sig.progress)
             rollout_gpus += node.gpus
             requests += sig.in_flight + sig.queue_length
+            in_flight += sig.in_flight
+            tokens_per_s += sig.tokens_per_s
+            window_s = max(window_s, sig.window_s)
             queued += sig.queue_length
             drained_workers += sig.low_utilisation_fraction * sig.workers
             busy_workers += sig.utilisation_mean * sig.workers
             rollout_workers += sig.workers
         generating = requests > 0
+        step_s = self._steady_step_s(in_flight, tokens_per_s, window_s, now, queued)
         rollout_done = bool(progress) and min(progress) >= 1.0
         # At the end of its batch with nothing charged to it yet (no tick saw it generate): it
         # ran inside this interval, or the one before the iteration's first tick (about as long).
@@ -274,6 +311,10 @@ class IterationLedger:
             if saturated:
                 self.sums["rollout_saturated_s"] += dt
                 self.sums["rollout_saturated_gpu_s"] += rollout_gpus * dt
+            elif phase == "body":
+                self.sums["rollout_paced_s"] += dt
+                self.sums["rollout_paced_gpu_s"] += rollout_gpus * dt
+                self.sums["rollout_paced_sequence_s"] += self.sequence_share(step_s) * dt
         elif ran_unseen:
             self.sums["rollout_body_s"] += dt
             self.sums["rollout_body_gpu_s"] += rollout_gpus * dt
@@ -297,6 +338,33 @@ class IterationLedger:
                     self.sums["pipeline_overlap_gpu_s"] += busy
         if not rolled and pipeline_busy_gpus <= self.u_low * pipeline_gpus:
             self.sums["idle_s"] += dt
+
+    def _steady_step_s(
+        self, in_flight: int, tokens_per_s: float, window_s: float, now: float, queued: int
+    ) -> float | None:
+        """Seconds of one decode step, as the rollout's engines ran at ``now``: each sequence in
+        flight gains one token a step, so ``in_flight / tokens_per_s``. Only where the count in
+        flight held within ``STEADY_LOAD`` for the whole window the rate is averaged over (the
+        rate of a window in which sequences finished counts their tokens too) and nothing waited
+        for a slot (prefill then shares the steps); None otherwise. The shortest such step is
+        the job's ``step_floor_s``."""
+        since = self._steady_since
+        if in_flight <= 0 or since is None or abs(in_flight - since[1]) > STEADY_LOAD * since[1]:
+            self._steady_since = (now, in_flight) if in_flight > 0 else None
+            return None
+        if queued > 0 or tokens_per_s <= 0 or now - since[0] < window_s:
+            return None
+        step_s = in_flight / tokens_per_s
+        self.step_floor_s = step_s if self.step_floor_s is None else min(self.step_floor_s, step_s)
+        return step_s
+
+    def sequence_share(self, step_s: float | None) -> float:
+        """The share of a step of ``step_s`` that grew with the sequences the engines held,
+        at least: the part of a step that does not grow is no more than the shortest step seen.
+        Zero where the step was not read."""
+        if step_s is None or self.step_floor_s is None or step_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.step_floor_s / step_s)
 
     def close(self, now: float, total_gpus: int, placement: Placement) -> IterationRecord | None:
         """The record of the iteration ending at ``now``, run under ``placement``; None when too
@@ -323,6 +391,7 @@ class IterationLedger:
             "job_gpus_max": self.job_gpus_max,
             "held": self.held,
             "switch_s": self.switch_s,
+            "step_floor_s": self.step_floor_s,
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -337,6 +406,8 @@ class IterationLedger:
         self.held = bool(data.get("held", False))
         switch = data.get("switch_s")
         self.switch_s = None if switch is None else float(switch)
+        floor = data.get("step_floor_s")
+        self.step_floor_s = None if floor is None else float(floor)
         self.sums = {name: float(data.get("sums", {}).get(name, 0.0)) for name in _SUMS}
 
 
@@ -352,6 +423,9 @@ _SUMS = (
     "log_prob_gpu_s",
     "rollout_saturated_s",
     "rollout_saturated_gpu_s",
+    "rollout_paced_s",
+    "rollout_paced_gpu_s",
+    "rollout_paced_sequence_s",
 )
 
 
@@ -394,14 +468,20 @@ class PlacementModel:
         the pipeline over every GPU (over ``pipeline_gpus`` when the trainer's valid sizes stop
         short of all of them), and two stage switches. No rollout is taken to be shorter than
         the one measured, but for the part of it that was saturated, which spreads over every
-        engine too: its longest episode ran from its start to its end, and more engines do not
-        shorten the parts of it that wait (tool calls, turns) or decode alone, only those that
-        waited for a slot or shared a full engine. That errs towards the placement the job has,
-        which is the no-harm side."""
+        engine too, and the part paced by its requests, whose steps shrink by the share that
+        grew with the sequences an engine held (``IterationRecord.paced_on_s``, a lower bound
+        of that share): its longest episode ran from its start to its end, and more engines do
+        not shorten the parts of it that wait (tool calls, turns) or decode alone, only those
+        that waited for a slot or shared an engine. That errs towards the placement the job
+        has, which is the no-harm side."""
         n = max(1, record.total_gpus)
         spread = n if pipeline_gpus is None else min(n, max(1, pipeline_gpus))
-        unsaturated_s = max(0.0, record.rollout_s - record.rollout_saturated_s)
-        floor = unsaturated_s + min(record.rollout_saturated_gpu_s / n, record.rollout_saturated_s)
+        unpaced_s = max(0.0, record.rollout_s - record.rollout_saturated_s - record.rollout_paced_s)
+        floor = (
+            unpaced_s
+            + record.paced_on_s(n)
+            + min(record.rollout_saturated_gpu_s / n, record.rollout_saturated_s)
+        )
         rollout = max(record.rollout_body_gpu_s / n + record.rollout_tail_s, floor)
         return rollout + record.pipeline_gpu_s / spread + self.stage_switches_s(n) + record.idle_s
 
