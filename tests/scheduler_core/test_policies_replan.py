@@ -137,33 +137,46 @@ def test_the_ledger_reads_decode_steps_where_the_load_held_for_a_window_and_the_
     # the sequences, so a longer step at the same load grew by at least the difference.
     rollout = make_group("rollout", ROLLOUT, 4, first_device=0)
     graph = make_graph(rollout, make_group("actor", ACTOR, 2, first_device=10))
-    ledger = IterationLedger(low_fraction_threshold=0.5)
 
-    def at(now: float, in_flight: int, tokens_per_s: float) -> None:
+    def at(ledger: IterationLedger, now: float, in_flight: int, tokens_per_s: float) -> None:
         signals = make_signals(
             rollout, in_flight=in_flight, tokens_per_s=tokens_per_s, utilisation_mean=0.6, window_s=2.0
         )
         ledger.observe(graph, {"rollout": signals}, now)
 
-    at(0.0, 400, 100_000.0)  # starts the iteration
-    at(1.0, 400, 100_000.0)  # the load is steady since this tick...
-    at(2.0, 400, 100_000.0)  # ...for one second of the two-second window: no step read yet
+    ledger = IterationLedger(low_fraction_threshold=0.5)
+    at(ledger, 0.0, 400, 100_000.0)  # starts the iteration
+    at(ledger, 1.0, 400, 100_000.0)  # the load is steady since this tick...
+    at(ledger, 2.0, 400, 100_000.0)  # ...for one second of the two-second window: no step read yet
     assert ledger.step_floor_s is None and ledger.sums["rollout_paced_sequence_s"] == 0.0
-    at(3.0, 400, 100_000.0)  # a whole window: 4 ms steps, the shortest so far
+    at(ledger, 3.0, 400, 100_000.0)  # a whole window: 4 ms steps, the shortest so far
     assert ledger.step_floor_s == 400 / 100_000.0
     assert ledger.sums["rollout_paced_sequence_s"] == 0.0  # nothing grew yet
-    at(4.0, 396, 50_000.0)  # contexts grew: 7.9 ms steps, at least half of it the sequences'
-    assert ledger.sums["rollout_paced_sequence_s"] == 1.0 - (400 / 100_000.0) / (396 / 50_000.0)
-    before = dict(ledger.sums)
-    at(5.0, 200, 60_000.0)  # half the sequences done within the window: its rate says nothing
-    assert ledger.sums["rollout_paced_sequence_s"] == before["rollout_paced_sequence_s"]
+    at(ledger, 4.0, 396, 50_000.0)  # contexts grew: 7.9 ms steps, at least half of it the sequences'
+    grew = 1.0 - (400 / 100_000.0) / (396 / 50_000.0)
+    assert ledger.sums["rollout_paced_sequence_s"] == grew
+    at(ledger, 5.0, 200, 60_000.0)  # half the sequences done within the window: its rate says nothing
+    assert ledger.sums["rollout_paced_sequence_s"] == grew
     assert ledger.step_floor_s == 400 / 100_000.0
     assert (ledger.sums["rollout_paced_s"], ledger.sums["rollout_paced_gpu_s"]) == (5.0, 20.0)
     assert ledger.sums["rollout_saturated_s"] == 0.0
-    # The floor is the job's: a new iteration keeps it, and so does a restarted scheduler.
-    restored = IterationLedger(low_fraction_threshold=0.5)
-    restored.load(ledger.to_json())
-    assert restored.step_floor_s == ledger.step_floor_s
+
+    # The live tick builds the policy anew each tick from the job's saved state: a ledger
+    # reloaded before every tick reads the same steps.
+    reloaded = IterationLedger(low_fraction_threshold=0.5)
+    for now, in_flight, rate in (
+        (0.0, 400, 1e5),
+        (1.0, 400, 1e5),
+        (2.0, 400, 1e5),
+        (3.0, 400, 1e5),
+        (4.0, 396, 5e4),
+    ):
+        fresh = IterationLedger(low_fraction_threshold=0.5)
+        fresh.load(reloaded.to_json())
+        reloaded = fresh
+        at(reloaded, now, in_flight, rate)
+    assert reloaded.sums["rollout_paced_sequence_s"] == grew
+    assert reloaded.step_floor_s == 400 / 100_000.0
 
 
 def test_a_request_paced_rollout_is_predicted_shorter_colocated_by_the_share_of_its_steps_that_grew() -> None:

@@ -221,9 +221,8 @@ class IterationLedger:
         # held steady for a whole signal window (``_steady_step_s``): no more than the step's
         # part that does not grow with the sequences held.
         self.step_floor_s: float | None = None
-        # Since when the rollout's requests in flight stayed within STEADY_LOAD of this count
-        # (not kept across restarts: a restarted scheduler waits one window to read steps again).
-        self._steady_since: tuple[float, int] | None = None
+        # Since when the rollout's requests in flight stayed within STEADY_LOAD of this count.
+        self.steady_since: tuple[float, int] | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -348,9 +347,9 @@ class IterationLedger:
         rate of a window in which sequences finished counts their tokens too) and nothing waited
         for a slot (prefill then shares the steps); None otherwise. The shortest such step is
         the job's ``step_floor_s``."""
-        since = self._steady_since
+        since = self.steady_since
         if in_flight <= 0 or since is None or abs(in_flight - since[1]) > STEADY_LOAD * since[1]:
-            self._steady_since = (now, in_flight) if in_flight > 0 else None
+            self.steady_since = (now, in_flight) if in_flight > 0 else None
             return None
         if queued > 0 or tokens_per_s <= 0 or now - since[0] < window_s:
             return None
@@ -392,6 +391,7 @@ class IterationLedger:
             "held": self.held,
             "switch_s": self.switch_s,
             "step_floor_s": self.step_floor_s,
+            "steady_since": list(self.steady_since) if self.steady_since is not None else None,
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -408,6 +408,8 @@ class IterationLedger:
         self.switch_s = None if switch is None else float(switch)
         floor = data.get("step_floor_s")
         self.step_floor_s = None if floor is None else float(floor)
+        steady = data.get("steady_since")
+        self.steady_since = (float(steady[0]), int(steady[1])) if steady else None
         self.sums = {name: float(data.get("sums", {}).get(name, 0.0)) for name in _SUMS}
 
 
