@@ -25,8 +25,9 @@ What an iteration is made of (``IterationRecord``):
 Colocated runs the stages in turn on all ``N`` GPUs: body/N + tail + pipeline/N + two stage
 switches, the body no shorter than its parts allow (a part saturated spreads over every engine;
 a part paced by its requests shortens only by the share of each decode step that grew with the
-sequences an engine held, which the ledger bounds from below with the job's shortest step). Disaggregated overlaps: the body on the rollout's base GPUs, the tail with the drained
-GPUs lent to the pipeline, then what is left of the pipeline on all GPUs.
+sequences an engine held, which the ledger bounds from below with the job's shortest step).
+Disaggregated overlaps: the body on the rollout's base GPUs, the tail with the drained GPUs lent
+to the pipeline, then what is left of the pipeline on all GPUs.
 
 Neither formula is exact. A placement the job has run under is predicted from what it measured
 there (while the job's shape stays as it was); one never tried must beat the current one by the
