@@ -5,6 +5,10 @@ and a dead worker reported as the job's failure. The control plane's side is pla
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,10 +16,12 @@ from typing import Any
 import pytest
 import ray
 
-from agents.backends.ray import driver_client
+from agents.backends.ray import LOOPBACK_ENV, driver_client
 from agents.backends.ray.backend import RayBackend
 from jobs.spec import parse_spec
 from runtime.engine.client import EngineClient
+from tests.ray_cluster import NAMESPACE, LocalRayCluster
+from tests.services import REPO_ROOT
 
 ITERATIONS = 3
 
@@ -138,7 +144,39 @@ def entry_until(
         time.sleep(0.2)
 
 
-def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[str, RayBackend]) -> None:
+def read_as_a_restarted_agent(address: str, job: int) -> dict[str, Any]:
+    """What a new agent process reads of a running job (its driver's progress, a trainer rank's
+    usage), and which modules of the training stack it had to import for that."""
+    script = (
+        "import json, sys\n"
+        "import ray\n"
+        "from agents.backends.ray import driver_client\n"
+        "from agents.backends.ray.actors import worker_handle\n"
+        "from agents.backends.ray.connection import connect\n"
+        f"connect({address!r}, namespace={NAMESPACE!r})\n"
+        f"progress = driver_client.driver_progress({job})\n"
+        f"usage = ray.get(worker_handle('node-a', 'j{job}-actor-w0').usage.remote(), timeout=60)\n"
+        "heavy = ('runtime.rl.trainer', 'runtime.rl.loop', 'agents.backends.ray.driver',\n"
+        "         'agents.backends.ray.trainer_rank')\n"
+        "loaded = sorted(m for m in sys.modules if m in heavy or m == 'megatron' or m.startswith('megatron.'))\n"
+        "print(json.dumps({'trained': progress['trained_iteration'], 'busy_s': usage.busy_s, 'imported': loaded}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **LOOPBACK_ENV},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    answer: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return answer
+
+
+def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(
+    agents: dict[str, RayBackend], ray_cluster: LocalRayCluster
+) -> None:
     job = 31
     launch(agents, job)
     assert sorted(agents["node-a"].running_workers()) == [
@@ -171,6 +209,11 @@ def test_a_job_runs_its_iterations_as_the_control_plane_opens_them(agents: dict[
     assert (
         readings[f"j{job}-rollout-w0"].tokens >= 0 and 0.0 <= readings[f"j{job}-actor-w0"].utilisation <= 1.0
     )
+    # An agent restarted now reads the job's driver and its trainer's ranks without importing the
+    # training stack: their classes reach it from the cluster, not from their modules.
+    restarted = read_as_a_restarted_agent(ray_cluster.address, job)
+    assert restarted["trained"] == ITERATIONS - 1 and restarted["busy_s"] > 0, restarted
+    assert restarted["imported"] == [], restarted
     # A worker stopped on purpose while a telemetry pass, which listed it just before, asks it
     # for its usage: the pass finds its actor gone and must not take that for a death.
     on_a = agents["node-a"]

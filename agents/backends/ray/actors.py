@@ -31,16 +31,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import re
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import psutil
 import ray
@@ -75,20 +76,67 @@ WORKER_NAME: Final = re.compile(r"^(?:j(?P<job>\d+)-|[^/]+?-m(?P<migrated>\d+)-\
 
 # Actors whose modules import the training stack (megatron-core, and torch's compiler with it:
 # seconds of imports), named rather than imported here: an agent loads one the first time it starts
-# such an actor, so a restarted agent that finds its workers and its jobs' drivers running does
-# not pay for them.
+# such an actor (``actor_class``), and a restarted agent that finds its workers and its jobs'
+# drivers running does not load it at all.
 TRAINER_RANK_ACTOR: Final = "agents.backends.ray.trainer_rank:TrainerRankWorker"
 JOB_DRIVER_ACTOR: Final = "agents.backends.ray.driver:JobDriver"
 
 
 @functools.cache
-def actor_class(path: str) -> type:
+def imported_class(path: str) -> type:
     """The class ``path`` (``module:Class``) names, imported on first use."""
     module, _, name = path.partition(":")
     cls = getattr(importlib.import_module(module), name)
     if not isinstance(cls, type):
         raise TypeError(f"{path} names {type(cls).__name__}, not an actor class")
     return cls
+
+
+class ForwardingActor:
+    """The base of ``actor_class``'s classes: built in the actor's process, it builds the class
+    ``target`` names there and hands every call to it."""
+
+    target: ClassVar[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.forwarded_to = imported_class(self.target)(*args, **kwargs)
+
+
+def _forwarding(name: str) -> Callable[..., Any]:
+    def forward(self: ForwardingActor, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.forwarded_to, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    return forward
+
+
+@functools.cache
+def actor_class(path: str) -> type:
+    """What an actor of the class ``path`` names is started from: a class with its public
+    methods, each handing the call on to an instance of it that the actor's process builds.
+
+    Ray keeps an actor's class in the cluster and loads it into every process that gets a handle
+    to the actor, ``ray.get_actor`` included. A class of a module is kept by reference, so that
+    loading it imports the module: for the trainer's ranks and the job's driver, the training
+    stack, in every agent that merely looks its workers up after a restart. This class is made
+    here at run time, so Ray keeps it by value, and loading it imports this module only."""
+    cls = imported_class(path)
+    methods = {
+        name: _forwarding(name)
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
+    return type(
+        cls.__name__,
+        (ForwardingActor,),
+        {
+            "__module__": __name__,
+            "__qualname__": f"{cls.__name__}Forwarder",
+            "__doc__": cls.__doc__,
+            "target": path,
+            **methods,
+        },
+    )
 
 
 def job_of(worker: str) -> int | None:
