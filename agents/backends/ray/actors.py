@@ -123,7 +123,7 @@ def actor_class(path: str) -> type:
     cls = imported_class(path)
     methods = {
         name: _forwarding(name)
-        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        for name, _ in inspect.getmembers(cls, inspect.isfunction)
         if not name.startswith("_")
     }
     return type(
