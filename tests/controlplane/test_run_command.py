@@ -82,14 +82,20 @@ def _assert_demo_is_live(port: int, data_dir: Path) -> None:
     """The demo's simulated hosts register and its two sample jobs run on them."""
     token = (data_dir / "demo-api-token").read_text().strip()
 
-    def running() -> bool:
-        jobs = _api(port, "/api/v1/jobs/?state=running", token)
-        return bool(jobs["count"] == 2)
+    ready_nodes: set[str] = set()
 
-    assert wait_until(running, timeout_s=90, interval_s=1)
-    nodes = _api(port, "/api/v1/nodes/?status=ready", token)
-    assert nodes["count"] == 4
-    assert {n["name"] for n in nodes["results"]} == {f"sim-node-{i}" for i in range(4)}
+    def live() -> bool:
+        # On a restart the jobs are still running from the last run while the hosts come
+        # back one by one (the liveness sweep marks those silent since the stop as lost first), so
+        # wait for both together rather than read the hosts the moment the jobs run.
+        jobs = _api(port, "/api/v1/jobs/?state=running", token)
+        nodes = _api(port, "/api/v1/nodes/?status=ready", token)
+        ready_nodes.clear()
+        ready_nodes.update(n["name"] for n in nodes["results"])
+        return bool(jobs["count"] == 2 and nodes["count"] == 4)
+
+    assert wait_until(live, timeout_s=90, interval_s=1), sorted(ready_nodes)
+    assert ready_nodes == {f"sim-node-{i}" for i in range(4)}
 
 
 def _run_until_healthy_then_interrupt(data_dir: Path, log_path: Path) -> None:
