@@ -399,6 +399,79 @@ def test_engines_that_join_a_rollout_mid_batch_take_follow_up_turns() -> None:
     assert result.tokens == expected_tokens(workload)[0]
 
 
+def test_engines_that_join_a_rollout_mid_generation_take_a_share_of_the_running_requests() -> None:
+    # The whole batch runs on the first four engines from the start: nothing is queued that a
+    # router could send to engines joining later. As the real driver's shed_requests step does,
+    # the old engines abort their share of what they run, and the new ones resume it.
+    workload = replace(get_workload("math-tiny"), model="7B", max_running_requests=128, iterations=1)
+    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
+    moved: list[str] = []
+    batches: list[dict[str, int]] = []
+
+    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
+        moved.extend(graph.node("inference").device_ids[:4])
+        return [move("inference", ROLLOUT, moved)]
+
+    class Watching(ScriptedPolicy):
+        def decide(
+            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
+        ) -> list[Decision]:
+            batches.append({w: e.batch for w, e in simulation.engines.items()})
+            queued.append(len(simulation.router) + sum(len(e.local) for e in simulation.engines.values()))
+            return super().decide(graph, signals, free, now)
+
+    queued: list[int] = []
+    policy = Watching(1.0, script, split=split)
+    simulation = Simulation(
+        workload, policy, generate_trace(workload, 0), options=SimOptions(check_invariants=True)
+    )
+    result = simulation.run()
+    assert result.migrations == 1
+    last_before = max(i for i, b in enumerate(batches) if len(b) == 4)
+    before = batches[last_before]
+    assert queued[last_before] == 0 and sum(before.values()) > 64  # most of it running, none queued
+    after = batches[last_before + 1]
+    assert len(after) == 8
+    joined = {w: n for w, n in after.items() if w not in before}
+    # Half the engines are new: each old one gave up about half of what it ran.
+    assert sum(joined.values()) >= 0.4 * sum(after.values())
+    assert all(after[w] <= 0.6 * before[w] for w in before)
+    assert result.reprefilled_tokens > 0
+    assert result.tokens == expected_tokens(workload)[0]
+
+
+def test_engines_that_join_a_rollout_with_requests_waiting_take_those_and_abort_nothing() -> None:
+    # Four engines of eight slots each: most of the batch waits in the router. The new engines'
+    # share comes from what waits; no running request is aborted to be prefilled again.
+    workload = replace(get_workload("math-tiny"), model="7B", max_running_requests=8, iterations=1)
+    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
+    batches: list[dict[str, int]] = []
+    waiting: list[int] = []
+
+    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
+        return [move("inference", ROLLOUT, graph.node("inference").device_ids[:4])]
+
+    class Watching(ScriptedPolicy):
+        def decide(
+            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
+        ) -> list[Decision]:
+            batches.append({w: e.batch for w, e in simulation.engines.items()})
+            waiting.append(len(simulation.router))
+            return super().decide(graph, signals, free, now)
+
+    policy = Watching(1.0, script, split=split)
+    simulation = Simulation(
+        workload, policy, generate_trace(workload, 0), options=SimOptions(check_invariants=True)
+    )
+    result = simulation.run()
+    assert result.migrations == 1
+    joined_at = next(i for i, b in enumerate(batches) if len(b) == 8)
+    assert waiting[joined_at - 1] >= 64  # enough waiting to fill every engine
+    assert all(n == 8 for n in batches[joined_at].values())  # the new ones filled from the queue
+    assert result.reprefilled_tokens == 0
+    assert result.tokens == expected_tokens(workload)[0]
+
+
 def test_telemetry_reaches_the_policy_as_group_signals() -> None:
     policy = ScriptedPolicy(1e9, lambda g, f: [])
     scripted_run(get_workload("math-tiny"), policy, check=False)

@@ -306,6 +306,25 @@ class Engine:
             taken.append(self.local.pop())
         return taken
 
+    def shed(self, now: float, count: int) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Abort ``count`` running requests for a growing rollout's new engines, those that
+        have generated least first (the latest begun: the least output to prefill again there).
+        Returns (requests that just finished, requests shed with their progress kept as context)."""
+        self.commit(now)
+        finished = self.pop_finished()
+        if count <= 0 or not self.running:
+            return finished, []
+        victims = sorted(
+            self.running.values(),
+            key=lambda r: (r.generated + self.steps - r.start_step, -r.rid),
+        )[:count]
+        for victim in victims:
+            self._remove(victim)
+        self._finish = [(s, rid) for s, rid in self._finish if rid in self.running]
+        heapq.heapify(self._finish)
+        self.epoch += 1
+        return finished, victims
+
     def take_back_all(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Stop the engine: (requests that just finished, every other running or locally queued
         request with its progress kept as context)."""

@@ -567,7 +567,11 @@ class Simulation:
             left.extend(d.id for d in node_devices[whole:])
         return workers, left
 
-    def _add_workers(self, group: str, device_ids: Sequence[str], now: float) -> None:
+    def _add_workers(self, group: str, device_ids: Sequence[str], now: float, *, shed: bool = False) -> None:
+        """Start ``group``'s workers on ``device_ids``. ``shed``: a migration grows the rollout,
+        and its engines give the new ones their share of what they have running, as the real
+        driver's ``shed_requests`` step does (agents/backends/ray/driver.py)."""
+        before = list(self.engines.values()) if group == ROLLOUT and shed else []
         workers, left = self._chunk(group, device_ids)
         for device_id in left:
             self.owner[device_id] = FREE
@@ -585,11 +589,37 @@ class Simulation:
         self._group_changed_at[group] = now
         if group == ROLLOUT:
             self.router.set_workers(self.engines)
+            joined = [e for e in self.engines.values() if e not in before]
+            if before and joined:
+                self._shed_to(before, joined, now)
             self._dispatch(list(self.engines.values()), now)
         elif group == INFERENCE:
             self._start_logprob(now)
         else:
             self._kick_trainer(now)
+
+    def _shed_to(self, old: Sequence[Engine], joined: Sequence[Engine], now: float) -> None:
+        """The new engines' share (their part of the grown group) of the rollout's requests:
+        first what waits, in the router or on an old engine not yet admitted (the real driver
+        sheds the latest begun calls first, which sit queued in their engine); then, for what
+        that leaves short, the old engines abort running requests, which resume with their
+        partial output as context on the new engines."""
+        share = len(joined) / (len(old) + len(joined))
+        running = sum(e.batch for e in old)
+        waiting = len(self.router) + sum(len(e.local) for e in old)
+        short = round(share * (running + waiting)) - waiting
+        shed: list[SimRequest] = []
+        for engine in old:
+            shed.extend(engine.take_queued(round(share * len(engine.local))))
+            if short > 0 and running:
+                finished, aborted = engine.shed(now, round(short * engine.batch / running))
+                for request in finished:
+                    self._turn_done(engine, request, now)
+                shed.extend(aborted)
+                self._reschedule_engine(engine)
+        if shed:
+            self.router.take_back(self._routed(r) for r in shed)
+        self._dispatch(joined, now)
 
     def _add_engine(self, worker_id: str, devices: tuple[Device, ...], now: float) -> None:
         hardware = HARDWARE[devices[0].hardware]
@@ -1137,7 +1167,7 @@ class Simulation:
         move = self.moves[move_id]
         recipient = move.decision.recipient
         assert recipient is not None
-        self._add_workers(recipient, move.devices, self.now)
+        self._add_workers(recipient, move.devices, self.now, shed=True)
         self._finish_move(move)
 
     def _finish_move(self, move: Move) -> None:
