@@ -15,6 +15,7 @@ from scheduler.core.hypergraph import (
     Worker,
 )
 from scheduler.core.policies.dynarl import NOT_BEST, DynaRLPolicy
+from scheduler.core.policies.moves import migration_cost_s
 from scheduler.core.signals import GroupSignals
 from tests.scheduler_core.test_policies_fixtures import (
     devices_of,
@@ -523,6 +524,54 @@ def test_nothing_goes_home_at_iteration_end_when_the_rollout_generates_ahead():
     next_iteration = Hypergraph(job_id=graph.job_id, nodes=graph.nodes, iteration=1)
     assert policy.on_iteration_end(next_iteration, now=130.0) == []
     assert policy.loans.outstanding(lender="rollout")
+
+
+def idle_log_probs_beside_a_queued_rollout(
+    log_prob_progress: float,
+) -> tuple[Hypergraph, dict[str, GroupSignals]]:
+    """A synchronous iteration's rollout with requests queued; a log-prob group idle for now,
+    with ``1 - log_prob_progress`` of the iteration's log-probs still to come from the rollout."""
+    graph = make_graph(
+        make_group("rollout", ROLLOUT, 4, first_device=0),
+        make_group("inference", INFERENCE, 8, first_device=20, depends_on=("rollout",)),
+        make_group("actor", ACTOR, 4, first_device=50, depends_on=("inference",)),
+    )
+    graph = with_episodes(graph)
+    signals = {
+        "rollout": make_signals(
+            graph.node("rollout"),
+            queue_length=600,
+            in_flight=200,
+            max_in_flight_per_worker=50,
+            tokens_per_s=4000.0,
+            utilisation_mean=1.0,
+            progress=0.2,
+        ),
+        "inference": make_signals(
+            graph.node("inference"), idle=8, utilisation_mean=0.0, progress=log_prob_progress, busy=False
+        ),
+        "actor": make_signals(graph.node("actor"), progress=0.0, busy=False),
+    }
+    return graph, signals
+
+
+def test_a_log_prob_group_with_work_to_come_lends_the_rollout_gpus_it_will_pay_to_take_back():
+    scores = {}
+    for progress in (0.2, 1.0):
+        graph, signals = idle_log_probs_beside_a_queued_rollout(progress)
+        policy = policy_with(memory(tokens=20_000.0, duration_s=100.0))
+        # Done for the iteration, the group lends at once; with work to come, once its
+        # idleness has held for sustain_s.
+        [decision] = policy.decide(graph, signals, [], now=1.0) or policy.decide(graph, signals, [], now=11.0)
+        assert (decision.donor, decision.recipient) == ("inference", "rollout")
+        assert decision.chosen is not None
+        scores[progress] = (decision.chosen.score, len(decision.device_ids))
+    # With log-probs still to come the GPUs must come back to the log-prob group before the
+    # iteration ends: the move's cost counts twice, once for each way, over the job's 16 GPUs.
+    (with_work, moved), (done, moved_done) = scores[0.2], scores[1.0]
+    assert moved == moved_done
+    back_s = migration_cost_s(policy.cost_model, graph.node("rollout"), graph.node("inference"), moved)
+    assert with_work == pytest.approx(done - moved * back_s / 16)
 
 
 # -- pace rebalancing ---------------------------------------------------------------------------

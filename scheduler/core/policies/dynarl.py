@@ -436,12 +436,17 @@ class DynaRLPolicy(BasePolicy):
             f"waiting for GPUs passed the checks (cooldowns, worker limits, loans due back)"
         )
 
-    def _needs_back(self, donor: HyperNode, model: PaceModel) -> bool:
+    def _needs_back(self, donor: HyperNode, model: PaceModel, recipient: HyperNode) -> bool:
         """Whether GPUs taken from ``donor`` are bound to return to it: a synchronous rollout's
-        next batch needs them, as does a static group (the trainer) with work left."""
+        next batch needs them, as does a static group (the trainer) with work left, and so does a
+        log-prob group with work still to come that lends them to the rollout (the rollout's
+        answers are that work). GPUs a log-prob group gives the trainer stay there: the trainer
+        is the last stage, and its GPUs go to the next iteration's rollout."""
         if donor.kind is ComponentKind.ROLLOUT:
             return self._synchronous(model)
-        return not donor.is_dynamic and model.work_gpu_s.get(donor.id, 0.0) > 0
+        if donor.is_dynamic and recipient.kind is not ComponentKind.ROLLOUT:
+            return False
+        return model.work_gpu_s.get(donor.id, 0.0) > 0
 
     def _synchronous(self, model: PaceModel) -> bool:
         """Whether the rollout works on the trainer's own iteration (no batch generated ahead)."""
@@ -1171,9 +1176,10 @@ class DynaRLPolicy(BasePolicy):
         arrival = cost_s if recipient.kind is ComponentKind.ROLLOUT else 0.0
         after_s = model.finish_s(changes, lost_gpu_s=lost, rollout_arrival_s=arrival)
         for leg in legs:
-            if leg.donor is not None and self._needs_back(leg.donor, model):
+            if leg.donor is not None and self._needs_back(leg.donor, model, recipient):
                 # The GPUs will have to come back (the next batch of a synchronous rollout, the
-                # rest of an idle trainer's iteration): the move's cost is paid twice.
+                # rest of an idle trainer's iteration, a log-prob group's coming work): the move's
+                # cost is paid twice.
                 back_s = migration_cost_s(self.cost_model, recipient, leg.donor, leg.gpus)
                 after_s += leg.gpus * back_s / max(1, model.total_gpus)
         gain = base - after_s
