@@ -352,6 +352,56 @@ def test_priority_routing_reprefills_less_than_fifo_under_kv_pressure() -> None:
         assert priority.affinity_hits >= fifo.affinity_hits
 
 
+@dataclass
+class Tick:
+    """What the rollout's engines held when the policy was called."""
+
+    batches: dict[str, int]  # running requests, by engine
+    waiting: int  # requests in the router's queue
+    queued_on_engines: int  # requests handed to an engine and not yet admitted
+
+
+def grow_rollout_mid_batch(
+    workload: Workload, at: float, seen: dict[str, Any] | None = None
+) -> tuple[Simulation, Any, list[Tick], list[str]]:
+    """A rollout of 4 engines grown by 4 of the log-prob group's GPUs at ``at``; every tick's
+    engines recorded, and every engine that ever ran kept in ``seen``."""
+    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
+    moved: list[str] = []
+    ticks: list[Tick] = []
+
+    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
+        moved.extend(graph.node("inference").device_ids[:4])
+        return [move("inference", ROLLOUT, moved)]
+
+    class Watching(ScriptedPolicy):
+        def decide(
+            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
+        ) -> list[Decision]:
+            engines = simulation.engines
+            if seen is not None:
+                seen.update(engines)
+            ticks.append(
+                Tick(
+                    {w: e.batch for w, e in engines.items()},
+                    len(simulation.router),
+                    sum(len(e.local) for e in engines.values()),
+                )
+            )
+            return super().decide(graph, signals, free, now)
+
+    simulation = Simulation(
+        workload,
+        Watching(at, script, split=split),
+        generate_trace(workload, 0),
+        options=SimOptions(check_invariants=True),
+    )
+    result = simulation.run()
+    assert result.migrations == 1
+    assert result.tokens == expected_tokens(workload)[0]  # every sample trained, none twice
+    return simulation, result, ticks, moved
+
+
 def test_engines_that_join_a_rollout_mid_batch_take_follow_up_turns() -> None:
     # Every episode is admitted at once on the first engines; a follow-up turn asks for the
     # engine holding its cache, which has room for it. Engines started on GPUs moved to the
@@ -366,37 +416,17 @@ def test_engines_that_join_a_rollout_mid_batch_take_follow_up_turns() -> None:
         iterations=1,
         agentic=AgenticTurns(first_response_median=1200.0, response_decay=1.0, tool_latency_median_s=0.5),
     )
-    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
-    moved: list[str] = []
-    engines: dict[str, Any] = {}
-
-    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
-        moved.extend(graph.node("inference").device_ids[:4])
-        return [move("inference", ROLLOUT, moved)]
-
-    class Watching(ScriptedPolicy):
-        def decide(
-            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
-        ) -> list[Decision]:
-            engines.update(simulation.engines)  # every engine that ever ran, kept past its end
-            return super().decide(graph, signals, free, now)
-
-    policy = Watching(2.0, script, split=split)
-    simulation = Simulation(
-        workload, policy, generate_trace(workload, 0), options=SimOptions(check_invariants=True)
-    )
-    result = simulation.run()
-    assert result.migrations == 1
+    engines: dict[str, Any] = {}  # every engine that ever ran, kept past its end
+    simulation, result, _, moved = grow_rollout_mid_batch(workload, 2.0, engines)
     joined = [e for e in engines.values() if any(d.id in moved for d in e.devices)]
     first = [e for e in engines.values() if not any(d.id in moved for d in e.devices)]
     assert len(joined) == 4 and len(first) == 4
     # The engines that joined decoded a real share of the batch, with the caches they lacked
-    # prefilled again, and nothing was lost.
+    # prefilled again.
     first_mean = sum(e.decoded_tokens for e in first) / len(first)
     assert min(e.decoded_tokens for e in joined) > 0.2 * first_mean
     assert simulation.router.stats.affinity_steals > 0
     assert result.reprefilled_tokens > 0
-    assert result.tokens == expected_tokens(workload)[0]
 
 
 def test_engines_that_join_a_rollout_mid_generation_take_a_share_of_the_running_requests() -> None:
@@ -404,72 +434,28 @@ def test_engines_that_join_a_rollout_mid_generation_take_a_share_of_the_running_
     # router could send to engines joining later. As the real driver's shed_requests step does,
     # the old engines abort their share of what they run, and the new ones resume it.
     workload = replace(get_workload("math-tiny"), model="7B", max_running_requests=128, iterations=1)
-    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
-    moved: list[str] = []
-    batches: list[dict[str, int]] = []
-
-    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
-        moved.extend(graph.node("inference").device_ids[:4])
-        return [move("inference", ROLLOUT, moved)]
-
-    class Watching(ScriptedPolicy):
-        def decide(
-            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
-        ) -> list[Decision]:
-            batches.append({w: e.batch for w, e in simulation.engines.items()})
-            queued.append(len(simulation.router) + sum(len(e.local) for e in simulation.engines.values()))
-            return super().decide(graph, signals, free, now)
-
-    queued: list[int] = []
-    policy = Watching(1.0, script, split=split)
-    simulation = Simulation(
-        workload, policy, generate_trace(workload, 0), options=SimOptions(check_invariants=True)
-    )
-    result = simulation.run()
-    assert result.migrations == 1
-    last_before = max(i for i, b in enumerate(batches) if len(b) == 4)
-    before = batches[last_before]
-    assert queued[last_before] == 0 and sum(before.values()) > 64  # most of it running, none queued
-    after = batches[last_before + 1]
-    assert len(after) == 8
-    joined = {w: n for w, n in after.items() if w not in before}
+    _, result, ticks, _ = grow_rollout_mid_batch(workload, 1.0)
+    last_before = max(i for i, t in enumerate(ticks) if len(t.batches) == 4)
+    before, after = ticks[last_before], ticks[last_before + 1]
+    # Most of the batch running, none of it waiting.
+    assert before.waiting + before.queued_on_engines == 0 and sum(before.batches.values()) > 64
+    assert len(after.batches) == 8
+    joined = {w: n for w, n in after.batches.items() if w not in before.batches}
     # Half the engines are new: each old one gave up about half of what it ran.
-    assert sum(joined.values()) >= 0.4 * sum(after.values())
-    assert all(after[w] <= 0.6 * before[w] for w in before)
+    assert sum(joined.values()) >= 0.4 * sum(after.batches.values())
+    assert all(after.batches[w] <= 0.6 * n for w, n in before.batches.items())
     assert result.reprefilled_tokens > 0
-    assert result.tokens == expected_tokens(workload)[0]
 
 
 def test_engines_that_join_a_rollout_with_requests_waiting_take_those_and_abort_nothing() -> None:
     # Four engines of eight slots each: most of the batch waits in the router. The new engines'
     # share comes from what waits; no running request is aborted to be prefilled again.
     workload = replace(get_workload("math-tiny"), model="7B", max_running_requests=8, iterations=1)
-    split = {ACTOR: 4, ROLLOUT: 4, "inference": 8}
-    batches: list[dict[str, int]] = []
-    waiting: list[int] = []
-
-    def script(graph: Hypergraph, free: Sequence[Device]) -> list[Decision]:
-        return [move("inference", ROLLOUT, graph.node("inference").device_ids[:4])]
-
-    class Watching(ScriptedPolicy):
-        def decide(
-            self, graph: Hypergraph, signals: Mapping[str, GroupSignals], free: Sequence[Device], now: float
-        ) -> list[Decision]:
-            batches.append({w: e.batch for w, e in simulation.engines.items()})
-            waiting.append(len(simulation.router))
-            return super().decide(graph, signals, free, now)
-
-    policy = Watching(1.0, script, split=split)
-    simulation = Simulation(
-        workload, policy, generate_trace(workload, 0), options=SimOptions(check_invariants=True)
-    )
-    result = simulation.run()
-    assert result.migrations == 1
-    joined_at = next(i for i, b in enumerate(batches) if len(b) == 8)
-    assert waiting[joined_at - 1] >= 64  # enough waiting to fill every engine
-    assert all(n == 8 for n in batches[joined_at].values())  # the new ones filled from the queue
+    _, result, ticks, _ = grow_rollout_mid_batch(workload, 1.0)
+    joined_at = next(i for i, t in enumerate(ticks) if len(t.batches) == 8)
+    assert ticks[joined_at - 1].waiting >= 64  # enough waiting to fill every engine
+    assert all(n == 8 for n in ticks[joined_at].batches.values())  # the new ones from the queue
     assert result.reprefilled_tokens == 0
-    assert result.tokens == expected_tokens(workload)[0]
 
 
 def test_telemetry_reaches_the_policy_as_group_signals() -> None:
