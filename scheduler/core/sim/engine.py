@@ -261,6 +261,11 @@ class Engine:
         request.max_new -= produced
         request.context = tokens_now
 
+    def _prune_finish(self) -> None:
+        """Drop the completion entries of requests no longer running here."""
+        self._finish = [(s, rid) for s, rid in self._finish if rid in self.running]
+        heapq.heapify(self._finish)
+
     def pop_finished(self) -> list[SimRequest]:
         """Requests whose last token was produced by the current step, in id order."""
         done: list[SimRequest] = []
@@ -291,8 +296,7 @@ class Engine:
                 break
             self._remove(victim)
             retracted.append(victim)
-        self._finish = [(s, rid) for s, rid in self._finish if rid in self.running]
-        heapq.heapify(self._finish)
+        self._prune_finish()
         self.local.extendleft(reversed(retracted))
         self.retractions += len(retracted)
         self.epoch += 1
@@ -320,8 +324,7 @@ class Engine:
         )[:count]
         for victim in victims:
             self._remove(victim)
-        self._finish = [(s, rid) for s, rid in self._finish if rid in self.running]
-        heapq.heapify(self._finish)
+        self._prune_finish()
         self.epoch += 1
         return finished, victims
 
