@@ -134,6 +134,7 @@ class NodeAgent:
         self.workdir = stack.workdir / "agents" / host
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.workdir / "state"
+        self.faults_file = self.workdir / "faults"  # read before every step (``arm``)
         self.backend = backend
         self.options = dict(options)
         self.env = dict(env)
@@ -163,6 +164,7 @@ class NodeAgent:
             "DYNARL_POLL_WAIT_S": "5",
             "DYNARL_SHUTDOWN_GRACE_S": "10",
             "DYNARL_LOG_LEVEL": "INFO",
+            "DYNARL_AGENT_FAULTS_FILE": str(self.faults_file),
             **self.env,
             **env,
         }
@@ -178,6 +180,13 @@ class NodeAgent:
             stderr=subprocess.STDOUT,
         )
         log.close()
+
+    def arm(self, faults: str) -> None:
+        """Arm the agent, running or not, with the fault drill ``faults`` (``crash:switch@1``;
+        ``""`` disarms it): its fault file, which it reads before every step, replaced whole."""
+        partial = self.faults_file.with_suffix(".partial")
+        partial.write_text(faults + "\n")
+        os.replace(partial, self.faults_file)
 
     def kill(self) -> None:
         """SIGKILL: the agent dies where it stands, as in a crash."""

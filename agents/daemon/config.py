@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from agents.backends.faults import AGENT_FAULTS_ENV, Fault, FaultSpecError, parse_faults
+from agents.backends.faults import (
+    AGENT_FAULTS_ENV,
+    AGENT_FAULTS_FILE_ENV,
+    Fault,
+    FaultSpecError,
+    parse_faults,
+    read_fault_file,
+)
 
 # What the control plane accepts as a node name (agents.services.registration.HOST_NAME): checked
 # here too so a bad host name is refused before the agent starts, not at every registration attempt.
@@ -52,6 +59,8 @@ class AgentConfig:
     trace_dir: Path | None = None  # job traces (workload.trace) are read from under it only; None: none
     # injected into migration steps, for fault drills (agents/backends/faults.py); none by default
     faults: tuple[Fault, ...] = ()
+    # a fault list read again before every step, so a drill arms a running agent; None: none
+    faults_file: Path | None = None
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -122,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--faults",
         help="fault drill: make migration steps fail, hang or kill this agent, e.g. "
         "'crash:transfer_state@1' (env DYNARL_AGENT_FAULTS; default none; agents/backends/faults.py)",
+    )
+    add(
+        "--faults-file",
+        help="fault drill: a file of faults as for --faults, read again before every step, so a "
+        "drill arms or disarms the running agent by rewriting it (env DYNARL_AGENT_FAULTS_FILE; "
+        "default none)",
     )
     return parser
 
@@ -286,6 +301,13 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         faults = parse_faults(_pick(args.faults, environ, AGENT_FAULTS_ENV) or "")
     except FaultSpecError as exc:
         problems.append(f"--faults / {AGENT_FAULTS_ENV}: {exc}")
+    faults_file_text = _pick(args.faults_file, environ, AGENT_FAULTS_FILE_ENV)
+    faults_file = Path(faults_file_text).expanduser() if faults_file_text else None
+    if faults_file is not None:
+        try:
+            read_fault_file(faults_file)
+        except (FaultSpecError, OSError, UnicodeDecodeError) as exc:
+            problems.append(f"--faults-file / {AGENT_FAULTS_FILE_ENV}: {faults_file}: {exc}")
 
     if problems:
         raise ConfigError(problems)
@@ -306,6 +328,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         log_level=log_level,
         trace_dir=trace_dir,
         faults=faults,
+        faults_file=faults_file,
     )
 
 

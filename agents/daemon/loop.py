@@ -229,7 +229,7 @@ class Agent:
             self.state.journal,
             self.backoff,
             on_fatal=self._fail,
-            faults=FaultPlan(self.config.faults),
+            faults=FaultPlan(self.config.faults, file=self.config.faults_file),
         )
         try:
             registration = self._first_registration(session)

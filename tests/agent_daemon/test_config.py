@@ -102,6 +102,15 @@ def test_a_fault_drill_is_parsed_and_a_bad_one_named() -> None:
         parse_config([], {**BASE, "DYNARL_AGENT_FAULTS": "crash:nothing"})
 
 
+def test_a_fault_file_is_checked_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "faults"
+    assert parse_config(["--faults-file", str(path)], BASE).faults_file == path  # may come later
+    assert parse_config([], BASE).faults_file is None
+    path.write_text("crash:switch@1\nhang:nothing\n")
+    with pytest.raises(ConfigError, match=r"DYNARL_AGENT_FAULTS_FILE: .*unknown step kind 'nothing'"):
+        parse_config([], {**BASE, "DYNARL_AGENT_FAULTS_FILE": str(path)})
+
+
 def test_a_missing_url_is_refused() -> None:
     with pytest.raises(ConfigError, match="control plane's URL is required"):
         parse_config([], {"DYNARL_HOST": "gpu-7"})

@@ -1,5 +1,6 @@
-"""Agents killed in the middle of a real job's migrations on Ray (``--faults crash:<step>@1``: the
-agent dies once the step has taken effect and before its outcome is recorded). The workers and the
+"""Agents killed in the middle of a real job's migrations on Ray (``crash:<step>@1`` in each
+agent's fault file, armed while it runs: the agent dies once the step has taken effect and before
+its outcome is recorded). The workers and the
 job driver are Ray actors and run on without it; the restarted agent keeps the job's actors (a
 migration's new worker too), carries the interrupted step out again (the driver ran it once and
 answers what it did), and the migration goes through whole, including when the agents died in the
@@ -8,7 +9,6 @@ once on its whole batch."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ from tests.e2e.helpers import (
 from tests.e2e.test_ray_job import nothing_left, wait_state
 from tests.ray_cluster import LocalRayCluster
 from tests.services import wait_until
-from tests.stack import LiveStack, NodeAgent
+from tests.stack import LiveStack
 
 
 @pytest.fixture
@@ -44,33 +44,14 @@ ITERATIONS = 400  # more than the drills take: the test cancels it once it train
 CRASH_EXIT = 70
 
 
-def arm(stack: LiveStack, armed: dict[str, str | None], killed: str) -> None:
-    """Every agent not already armed to die in its first step of kind ``killed`` is restarted so
-    (in parallel: each start is a new Ray driver). ``armed``: each agent's armed kind."""
-    stale = [agent for name, agent in stack.agents.items() if armed[name] != killed]
-    with ThreadPoolExecutor() as pool:
-        list(pool.map(NodeAgent.stop, stale))
-    for agent in stale:
-        agent.start(DYNARL_AGENT_FAULTS=f"crash:{killed}@1")
-        armed[agent.host] = killed
-    for agent in stale:
-        agent.wait_registered()
-
-
-def drill(
-    stack: LiveStack,
-    job: Job,
-    move: tuple[str, str, int, str],
-    armed: dict[str, str | None],
-    following: str | None,
-) -> Migration:
-    """Every agent dies the first time it carries out a step of kind ``killed``; an operator's
-    move of ``workers`` of ``donor``'s GPUs to ``recipient`` runs into it. The agents that died are
-    started again, and the migration is waited for. An agent that died comes back armed for the
-    ``following`` drill's kind where this migration has no step of it, which spares that drill
-    restarting it."""
+def drill(stack: LiveStack, job: Job, move: tuple[str, str, int, str]) -> Migration:
+    """Every agent is armed (through its fault file, while it runs) to die the first time it
+    carries out a step of kind ``killed``; an operator's move of ``workers`` of ``donor``'s GPUs to
+    ``recipient`` runs into it. The agents that died are disarmed and started again, and the
+    migration is waited for."""
     donor, recipient, workers, killed = move
-    arm(stack, armed, killed)
+    for agent in stack.agents.values():
+        agent.arm(f"crash:{killed}@1")
     status, body = stack.api(
         "POST",
         f"/api/v1/jobs/{job.pk}/migrate/",
@@ -79,7 +60,6 @@ def drill(
     assert status == 202, body
     migration = Migration.objects.get(migration_id=body["migration_id"])
     assert migration.steps.filter(kind=killed, is_rollback=False).exists(), killed
-    rearm = following if following and not migration.steps.filter(kind=following).exists() else None
     # Each agent dies in the first step of that kind it takes part in (a move may have several:
     # the donor's side and the recipient's, on other nodes): whichever exits is started again,
     # once, until the migration has finished.
@@ -90,8 +70,8 @@ def drill(
             if name not in restarted and not agent.running():
                 assert agent.returncode == CRASH_EXIT, stack.logs()
                 restarted.add(name)
-                agent.start(**({"DYNARL_AGENT_FAULTS": f"crash:{rearm}@1"} if rearm else {}))
-                armed[name] = rearm
+                agent.arm("")  # the interrupted step, carried out again, is not a new occurrence
+                agent.start()
         migration.refresh_from_db()
         return migration.state in FINISHED_MIGRATION_STATES
 
@@ -151,12 +131,10 @@ def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
         ("actor", "reward", 1, "release_devices"),
         ("reward", "actor", 1, "release_devices"),
     )
-    armed: dict[str, str | None] = dict.fromkeys(live_stack.agents)
-    for index, move in enumerate(drills):
+    for move in drills:
         donor, recipient, _, killed = move
-        following = drills[index + 1][3] if index + 1 < len(drills) else None
         before = allocation(job)
-        moved = drill(live_stack, job, move, armed, following)
+        moved = drill(live_stack, job, move)
         assert moved.state == MigrationState.COMMITTED, (killed, moved.error, live_stack.logs())
         assert {"migration.plan", "migration.commit"} <= verbs(moved)
         assert "migration.rollback" not in verbs(moved)
