@@ -133,9 +133,10 @@ class FaultPlan:
         """Count one more execution of ``kind`` and return the fault it triggers."""
         with self._lock:
             self._reread_file()
-            return self._count(self.faults, self._seen, kind) or self._count(
-                self._armed, self._armed_seen, kind
-            )
+            # Both lists count every execution, whichever fires.
+            given = self._count(self.faults, self._seen, kind)
+            armed = self._count(self._armed, self._armed_seen, kind)
+            return given or armed
 
     @staticmethod
     def _count(faults: tuple[Fault, ...], seen: dict[str, int], kind: str) -> Fault | None:
