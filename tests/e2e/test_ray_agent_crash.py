@@ -93,7 +93,7 @@ def verbs(migration: Migration) -> set[str]:
 
 
 # Fifteen drills, each restarting every agent that died in it (a new Ray driver each): about
-# five minutes here.
+# four minutes here.
 @pytest.mark.timeout(1200)
 @pytest.mark.django_db(transaction=True)
 def test_agents_killed_mid_migration_leave_a_real_job_whole_and_training(
