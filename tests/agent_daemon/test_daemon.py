@@ -350,6 +350,29 @@ def test_a_fault_drill_crashes_the_agent_after_a_step_or_fails_the_step(
     assert len(pauses) == (1 if mode == "crash" else 0)
 
 
+def test_a_fault_file_arms_the_running_agent_without_a_restart(agent: AgentProcess) -> None:
+    """``--faults-file``: the agent reads the file before every step, so a drill written while it
+    runs kills it in the step named, and the file emptied lets the next process run on."""
+    faults = agent.workdir / "faults"
+    agent.start(DYNARL_AGENT_FAULTS_FILE=str(faults))
+    registered(agent)
+    job = running_job(agent)
+    pid = agent.pid
+    faults.write_text("crash:pause_workers@1\n")
+    migration = migrate(job)
+    eventually(lambda: not agent.running(), agent, "the armed crash never happened")
+    assert agent.wait() == 70
+    [ran] = agent.calls("execute_step")
+    assert (ran["kind"], ran["pid"]) == ("pause_workers", pid)  # the process started before arming
+    faults.write_text("")
+    agent.start(DYNARL_AGENT_FAULTS_FILE=str(faults))
+    eventually(
+        lambda: migration_state(migration) in TERMINAL_MIGRATION_STATES, agent, "the migration never finished"
+    )
+    assert migration.state == "rolled_back"
+    assert agent.running()  # the new process ran the compensations and lives on
+
+
 def test_a_restarted_agent_launches_the_workers_the_control_plane_has_running(agent: AgentProcess) -> None:
     agent.start()
     registered(agent)
