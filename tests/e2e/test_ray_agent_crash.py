@@ -1,11 +1,10 @@
 """Agents killed in the middle of a real job's migrations on Ray (``crash:<step>@1`` in each
 agent's fault file, armed while it runs: the agent dies once the step has taken effect and before
-its outcome is recorded). The workers and the
-job driver are Ray actors and run on without it; the restarted agent keeps the job's actors (a
-migration's new worker too), carries the interrupted step out again (the driver ran it once and
-answers what it did), and the migration goes through whole, including when the agents died in the
-trainer's switch, its point of no return. The job trains on throughout, every iteration trained
-once on its whole batch."""
+its outcome is recorded). The workers and the job driver are Ray actors and run on without it; the
+restarted agent keeps the job's actors (a migration's new worker too), carries the interrupted step
+out again (the driver ran it once and answers what it did), and the migration goes through whole,
+including when the agents died in the trainer's switch, its point of no return. The job trains on
+throughout, every iteration trained once on its whole batch."""
 
 from __future__ import annotations
 
@@ -70,7 +69,7 @@ def drill(stack: LiveStack, job: Job, move: tuple[str, str, int, str]) -> Migrat
             if name not in restarted and not agent.running():
                 assert agent.returncode == CRASH_EXIT, stack.logs()
                 restarted.add(name)
-                agent.arm("")  # the interrupted step, carried out again, is not a new occurrence
+                agent.arm("")  # the new process carries the interrupted step out again: not to die in it
                 agent.start()
         migration.refresh_from_db()
         return migration.state in FINISHED_MIGRATION_STATES
