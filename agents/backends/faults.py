@@ -55,6 +55,10 @@ class FaultSpecError(ValueError):
     """A fault specification that cannot be understood; the message quotes it."""
 
 
+# What reading a fault file can raise: a bad fault, an unreadable file, or one that is not text.
+FAULT_FILE_ERRORS = (FaultSpecError, OSError, UnicodeDecodeError)
+
+
 @dataclass(frozen=True)
 class Fault:
     mode: FaultMode
@@ -162,7 +166,7 @@ class FaultPlan:
         self._armed_seen = {}
         try:
             self._armed = read_fault_file(self.file)
-        except (FaultSpecError, OSError, UnicodeDecodeError) as exc:
+        except FAULT_FILE_ERRORS as exc:
             self._armed = ()
             log.error("fault file %s ignored: %s", self.file, exc)
             return

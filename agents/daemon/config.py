@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from agents.backends.faults import (
     AGENT_FAULTS_ENV,
     AGENT_FAULTS_FILE_ENV,
+    FAULT_FILE_ERRORS,
     Fault,
     FaultSpecError,
     parse_faults,
@@ -306,7 +307,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     if faults_file is not None:
         try:
             read_fault_file(faults_file)
-        except (FaultSpecError, OSError, UnicodeDecodeError) as exc:
+        except FAULT_FILE_ERRORS as exc:
             problems.append(f"--faults-file / {AGENT_FAULTS_FILE_ENV}: {faults_file}: {exc}")
 
     if problems:
